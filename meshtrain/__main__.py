@@ -1,0 +1,3 @@
+from meshtrain.cli import main
+
+main()

@@ -1,0 +1,69 @@
+"""The command line: ``meshtrain <subcommand> [--config FILE] [--section.field VALUE ...]``.
+
+tyro builds each subcommand's options from its config dataclass; ``--config`` fills that dataclass
+from YAML first, so the precedence is defaults < YAML < command line. User mistakes end with one
+message and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable
+
+import tyro
+
+from meshtrain.config import JobConfig, load_yaml
+from meshtrain.errors import MeshtrainError
+
+
+def parse(cls: type, argv: list[str], prog: str):
+    """``--config FILE`` (YAML) as the defaults, then tyro parses the rest of ``argv`` over it."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, rest = pre.parse_known_args(argv)
+    default = load_yaml(known.config, cls) if known.config else cls()
+    return tyro.cli(cls, default=default, args=rest, prog=prog, config=(tyro.conf.FlagConversionOff,),
+                    description=f"{(cls.__doc__ or '').strip()}  Use --config FILE.yaml for defaults.")
+
+
+def train_main(argv: list[str]) -> None:
+    from meshtrain import train
+
+    cfg = parse(JobConfig, argv, "meshtrain train")
+    if cfg.train.dry_run:
+        train.dry_run(cfg)
+    else:
+        train.run(cfg)
+
+
+SUBCOMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
+    "train": (train_main, "train a model (add --train.dry-run to validate and print the layout only)"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: meshtrain <subcommand> [--config FILE.yaml] [options]", "", "subcommands:"]
+    lines += [f"  {name:<8} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    lines += ["", "meshtrain <subcommand> --help lists every option."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        sys.exit(0 if argv else 2)
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"meshtrain: unknown subcommand {name!r}\n\n{usage()}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        SUBCOMMANDS[name][0](rest)
+    except MeshtrainError as e:
+        rank = os.environ.get("RANK")
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+            print(f"meshtrain: error: {prefix}{e}", file=sys.stderr, flush=True)
+        sys.exit(2)

@@ -1,0 +1,292 @@
+"""The typed configuration: the one definition of every option.
+
+Dataclasses below are the schema. tyro builds the command line from them, YAML files fill them,
+and the precedence is defaults < YAML < command line. Unknown YAML keys and wrongly typed values
+are errors naming the key. Megatron-Bridge spellings of the parallel sizes are accepted in YAML.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import pathlib
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+from meshtrain.errors import ConfigError
+
+BUNDLED_CORPUS = str(pathlib.Path(__file__).parent / "corpus" / "python_stdlib_docstrings.txt")
+
+
+@dataclass
+class RopeScalingConfig:
+    """RoPE frequency scaling (Llama 3 style); type "none" disables it."""
+
+    type: Literal["none", "llama3"] = "none"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass
+class ModelConfig:
+    """Decoder-only transformer. Field names follow Hugging Face config.json names."""
+
+    family: Literal["llama", "qwen3"] = "llama"
+    """llama: Llama 3 blocks; qwen3: adds RMSNorm on per-head queries and keys."""
+    vocab_size: int = 384
+    """Embedding rows. May exceed the tokenizer's vocabulary (padding, e.g. to divide by tp)."""
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    """SwiGLU hidden size."""
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    """Fewer than num_attention_heads gives grouped-query attention."""
+    head_dim: int | None = None
+    """Per-head size; None means hidden_size // num_attention_heads (Qwen3 sets it explicitly)."""
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    init_std: float = 0.02
+    """Std of the normal init; output projections use init_std / sqrt(2 * num_hidden_layers)."""
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def num_experts(self) -> int:
+        """Dense families have no experts; MoE families override this."""
+        return 0
+
+
+@dataclass
+class ParallelConfig:
+    """Sizes of the 5-D device mesh (pp, dp, cp, tp, ep). Their product rules are in mesh.py."""
+
+    pp: int = 1
+    """Pipeline stages (alias: pipeline_model_parallel_size)."""
+    vpp: int = 1
+    """Virtual pipeline stages per rank (alias: virtual_pipeline_model_parallel_size)."""
+    dp_replicate: int = 1
+    """Replicated data-parallel groups; > 1 with dp_shard > 1 gives HSDP."""
+    dp_shard: int = -1
+    """FSDP2 shard group size; -1 takes what the world size leaves over."""
+    cp: int = 1
+    """Context parallel size (alias: context_parallel_size)."""
+    tp: int = 1
+    """Tensor parallel size (alias: tensor_model_parallel_size)."""
+    sp: bool = False
+    """Sequence parallel on norms and residuals; needs tp > 1 (alias: sequence_parallel)."""
+    ep: int = 1
+    """Expert parallel size (alias: expert_model_parallel_size)."""
+    etp: int = 1
+    """Tensor parallel inside each expert (alias: expert_tensor_parallel_size)."""
+    loss_parallel: bool = True
+    """With tp > 1, compute cross-entropy on the vocab-sharded logits without gathering them."""
+    gpus_per_node: int | None = None
+    """Ranks per node, for the tp-across-nodes warning; None reads LOCAL_WORLD_SIZE."""
+    timeout_s: int = 600
+    """Collective timeout: a dead rank ends the job after this long instead of hanging it."""
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW."""
+
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    """Applied to matrices and embeddings, not to norm weights."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+
+
+@dataclass
+class LRScheduleConfig:
+    """Linear warmup, then decay to min_lr_ratio * lr at the last step."""
+
+    warmup_steps: int = 10
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class DataConfig:
+    """Training text and how it is tokenized and packed."""
+
+    path: str = BUNDLED_CORPUS
+    """A .txt, .jsonl or .parquet file, or a directory of them. Default: the bundled corpus."""
+    text_field: str = "text"
+    """Field holding the text in jsonl/parquet records."""
+    tokenizer: str = "byte"
+    """"byte" (UTF-8 bytes, no files needed) or the path of a Hugging Face tokenizer.json."""
+    shuffle: bool = True
+    num_workers: int = 0
+    """DataLoader worker processes per rank."""
+
+
+@dataclass
+class TrainConfig:
+    """The training run."""
+
+    steps: int = 200
+    global_batch_size: int = 16
+    """Sequences per optimizer step, summed over data-parallel ranks."""
+    micro_batch_size: int = 4
+    """Sequences per forward/backward on one rank; accumulation = global / (micro * dp)."""
+    seq_len: int = 128
+    seed: int = 0
+    grad_clip: float = 1.0
+    """Max global L2 norm of the gradients; 0 disables clipping."""
+    mixed_precision: Literal["fp32", "bf16"] = "fp32"
+    """bf16: bf16 compute with fp32 master weights and fp32 gradient reduction."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward instead of storing them."""
+    run_dir: str = "runs/default"
+    """Where the resolved config, metrics.jsonl and TensorBoard events go."""
+    dry_run: bool = False
+    """Validate the config and print the layout, then exit without training."""
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 1
+    progress: Literal["auto", "on", "off"] = "auto"
+    """A progress bar on a terminal (auto), always (on) or plain lines (off)."""
+    jsonl: bool = True
+    """Write metrics to run_dir/metrics.jsonl."""
+    tensorboard: bool = False
+    """Write TensorBoard events (needs the optional tensorboard package)."""
+    peak_tflops: float | None = None
+    """Peak dense TFLOP/s of one device for MFU; None guesses from the CUDA device name."""
+
+
+@dataclass
+class JobConfig:
+    """meshtrain train: a full training job."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+# Megatron-Bridge spellings accepted in YAML (section -> alias -> field).
+ALIASES: dict[str, dict[str, str]] = {
+    "parallel": {
+        "tensor_model_parallel_size": "tp",
+        "pipeline_model_parallel_size": "pp",
+        "virtual_pipeline_model_parallel_size": "vpp",
+        "context_parallel_size": "cp",
+        "expert_model_parallel_size": "ep",
+        "expert_tensor_parallel_size": "etp",
+        "sequence_parallel": "sp",
+    }
+}
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check a YAML value against a field's type; the error names the key."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{key}: {value!r} is not one of {list(choices)}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} matches none of {_type_name(tp)}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping of {tp.__name__} fields, got {value!r}")
+        return _build(tp, value, key)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config field type {tp} at {key}")  # a schema bug, not user input
+
+
+def _build(cls: type, data: dict, prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    aliases = ALIASES.get(prefix, {})
+    kwargs: dict[str, Any] = {}
+    for raw_key, value in data.items():
+        name = aliases.get(raw_key, raw_key)
+        key = f"{prefix}.{raw_key}" if prefix else str(raw_key)
+        if name not in names:
+            close = difflib.get_close_matches(str(raw_key), names + list(aliases), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(names)}"
+            raise ConfigError(f"unknown config key {key!r}{hint}")
+        if name in kwargs:
+            raise ConfigError(f"{key}: set twice (once through an alias)")
+        kwargs[name] = _coerce(value, hints[name], key)
+    return cls(**kwargs)
+
+
+def from_dict(cls: type, data: dict) -> Any:
+    """Build config ``cls`` from a nested mapping, strictly: unknown keys and wrong types raise."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"a config must be a mapping of sections, got {type(data).__name__}")
+    return _build(cls, data, "")
+
+
+def load_yaml(path: str, cls: type = JobConfig) -> Any:
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config: no such file {path!r}; configs/ holds the bundled examples")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {path}: not valid YAML: {e}") from None
+    try:
+        return from_dict(cls, data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg: Any) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

@@ -1,0 +1,57 @@
+"""Process-group set-up from the environment: device and backend are never hard-coded.
+
+torchrun (or Slurm through launch/) sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous address;
+a plain ``python -m meshtrain`` is a world of one. The device is CUDA when present, else CPU, and
+the backend is torch's default for that device (nccl / gloo); MESHTRAIN_DEVICE overrides it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def device_type_from_env() -> str:
+    return os.environ.get("MESHTRAIN_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(timeout_s: int) -> Runtime:
+    device_type = device_type_from_env()
+    rank, world, local_rank = (int(os.environ.get(k, d)) for k, d in
+                               (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")))
+    device = torch.device(device_type, local_rank) if device_type != "cpu" else torch.device("cpu")
+    if device_type != "cpu":
+        torch.accelerator.set_device_index(local_rank)
+    if not dist.is_initialized():
+        backend = dist.Backend.default_device_backend_map[device_type]
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend, timeout=timeout, device_id=device if device_type != "cpu" else None)
+        else:  # a world of one without a launcher
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return Runtime(rank, world, local_rank, device)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

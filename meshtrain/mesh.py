@@ -1,0 +1,251 @@
+"""The 5-D device mesh: derived sizes, every layout rule, and the one DeviceMesh they build.
+
+``plan_layout`` is pure: it turns the config and a world size into a ``Layout`` or raises a
+``ConfigError`` naming the rule, the values and a fix, before any process group exists.
+``build_mesh`` turns a Layout into the DeviceMesh that every parallel decision reads afterwards:
+
+    dense mesh  ("pp", "dp_replicate", "dp_shard", "cp", "tp")   tp innermost, pp outermost
+    flattened   "dp" = dp_replicate x dp_shard        data loading (each dp rank reads its shard)
+                "dp_shard_cp" = dp_shard x cp         FSDP2 shards parameters over these ranks
+                "dp_cp" = dp_replicate x dp_shard x cp  loss and gradient averaging
+    expert mesh ("edp", "ep", "etp")                  the same ranks of one pp stage, regrouped:
+                ep folds over dp x cp (x tp), edp = world / (pp * ep * etp)
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshtrain._torch_mesh import flatten, unflatten
+from meshtrain.config import JobConfig
+from meshtrain.errors import ConfigError
+
+DENSE_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+INTERLEAVED_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Every parallel size, derived and checked. Only ``build_mesh`` and the layout line read it;
+    after the mesh exists, code reads sizes from the mesh."""
+
+    world_size: int
+    pp: int
+    vpp: int
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    sp: bool
+    ep: int
+    etp: int
+    grad_accum_steps: int
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def edp(self) -> int:
+        return self.world_size // (self.pp * self.ep * self.etp)
+
+    def describe(self) -> str:
+        sizes = {d: getattr(self, d) for d in DENSE_DIMS}
+        extras = [f"SP" if self.sp else "", f"VPP{self.vpp}" if self.vpp > 1 else "",
+                  f"ETP{self.etp}" if self.etp > 1 else ""]
+        return describe_sizes(sizes, self.world_size, ep=self.ep, extras=[e for e in extras if e])
+
+
+def describe_sizes(sizes: dict[str, int], world: int, ep: int = 1, extras: list[str] = ()) -> str:
+    """The layout line every run logs, e.g. ``TP2 PP2 DP1 CP1 EP1 (world 4)``."""
+    dp = sizes["dp_replicate"] * sizes["dp_shard"]
+    line = f"TP{sizes['tp']} PP{sizes['pp']} DP{dp} CP{sizes['cp']} EP{ep}"
+    extras = list(extras)
+    if sizes["dp_replicate"] > 1:
+        extras.append(f"HSDP {sizes['dp_replicate']}x{sizes['dp_shard']}")
+    return f"{line}{' [' + ', '.join(extras) + ']' if extras else ''} (world {world})"
+
+
+def _fail(rule: str, fix: str) -> None:
+    raise ConfigError(f"{rule}. Fix: {fix}")
+
+
+def plan_layout(cfg: JobConfig, world_size: int) -> Layout:
+    """Derive every parallel size from ``cfg.parallel`` and the world size, enforcing each rule."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    for name in ("pp", "vpp", "dp_replicate", "cp", "tp", "ep", "etp"):
+        if getattr(p, name) < 1:
+            _fail(f"parallel.{name}={getattr(p, name)} must be >= 1", f"set parallel.{name} to a positive size")
+    if p.dp_shard == 0 or p.dp_shard < -1:
+        _fail(f"parallel.dp_shard={p.dp_shard} must be >= 1, or -1 for auto", "set parallel.dp_shard=-1")
+
+    non_dp = p.pp * p.dp_replicate * p.cp * p.tp
+    if p.dp_shard == -1:
+        if world_size % non_dp:
+            _fail(
+                f"world size {world_size} is not divisible by pp*dp_replicate*cp*tp = "
+                f"{p.pp}*{p.dp_replicate}*{p.cp}*{p.tp} = {non_dp} (dp = world / (tp*pp*cp) must be whole)",
+                f"launch a multiple of {non_dp} ranks or change the sizes",
+            )
+        dp_shard = world_size // non_dp
+    else:
+        dp_shard = p.dp_shard
+        if non_dp * dp_shard != world_size:
+            _fail(
+                f"pp*dp_replicate*dp_shard*cp*tp = {p.pp}*{p.dp_replicate}*{dp_shard}*{p.cp}*{p.tp} = "
+                f"{non_dp * dp_shard} does not equal the world size {world_size}",
+                "set parallel.dp_shard=-1 to derive it, or launch that many ranks",
+            )
+    dp = p.dp_replicate * dp_shard
+
+    if p.sp and p.tp == 1:
+        _fail("parallel.sp=true requires parallel.tp > 1 (sequence parallel splits along the tp group)",
+              "set parallel.tp >= 2 or parallel.sp=false")
+    if p.cp > 1 and t.seq_len % (2 * p.cp):
+        _fail(
+            f"train.seq_len={t.seq_len} must be divisible by 2*cp = {2 * p.cp} "
+            "(load-balanced causal sharding cuts the sequence into 2*cp chunks)",
+            f"use a seq_len that is a multiple of {2 * p.cp}",
+        )
+
+    # Experts.
+    if (p.ep > 1 or p.etp > 1) and m.num_experts == 0:
+        _fail(f"parallel.ep={p.ep}, etp={p.etp} on the dense model family {m.family!r}: "
+              "expert parallelism needs an MoE model", "set parallel.ep=1 and parallel.etp=1")
+    if m.num_experts and m.num_experts % p.ep:
+        _fail(f"model.num_experts={m.num_experts} is not divisible by parallel.ep={p.ep}",
+              "choose an ep that divides the number of experts")
+    stage = world_size // p.pp
+    if (p.ep * p.etp) > stage or stage % (p.ep * p.etp):
+        _fail(
+            f"ep*etp = {p.ep}*{p.etp} must divide the ranks of one pipeline stage, world/pp = {stage} "
+            f"(the expert grid ep x etp and the dense grid tp x cp share each stage's ranks, so the "
+            f"minimum world is pp*max(tp*cp, ep*etp) = {p.pp * max(p.tp * p.cp, p.ep * p.etp)})",
+            "launch more ranks or lower ep/etp",
+        )
+
+    # Tensor parallel shapes.
+    if m.num_attention_heads % p.tp:
+        _fail(f"parallel.tp={p.tp} must divide model.num_attention_heads={m.num_attention_heads}",
+              "pick a tp that divides the head count")
+    if m.num_key_value_heads % p.tp:
+        _fail(
+            f"parallel.tp={p.tp} must divide model.num_key_value_heads={m.num_key_value_heads} "
+            "(replicating key/value heads across tp ranks is not supported)",
+            f"use tp <= {m.num_key_value_heads} that divides it",
+        )
+    if m.intermediate_size % p.tp:
+        _fail(f"parallel.tp={p.tp} must divide model.intermediate_size={m.intermediate_size}",
+              "pick a tp that divides the FFN size")
+    if m.vocab_size % p.tp:
+        padded = -(-m.vocab_size // p.tp) * p.tp
+        _fail(f"parallel.tp={p.tp} must divide model.vocab_size={m.vocab_size}",
+              f"pad the vocabulary: model.vocab_size={padded}")
+    if m.tie_word_embeddings and p.tp > 1:
+        _fail("model.tie_word_embeddings=true with parallel.tp > 1 is not supported",
+              "untie the embeddings or use tp=1")
+
+    # Pipeline.
+    if m.num_hidden_layers % (p.pp * p.vpp):
+        _fail(
+            f"model.num_hidden_layers={m.num_hidden_layers} cannot be split evenly into "
+            f"pp*vpp = {p.pp}*{p.vpp} = {p.pp * p.vpp} stages",
+            "choose pp and vpp whose product divides the layer count",
+        )
+
+    # Batch.
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        _fail(
+            f"train.global_batch_size={t.global_batch_size} must be divisible by "
+            f"micro_batch_size*dp = {t.micro_batch_size}*{dp} = {t.micro_batch_size * dp}",
+            f"use a global batch that is a multiple of {t.micro_batch_size * dp}",
+        )
+    grad_accum = t.global_batch_size // (t.micro_batch_size * dp)
+    if p.vpp > 1 and grad_accum < p.pp:
+        _fail(
+            f"interleaved pipeline schedules need n_microbatches >= pp, but global/(micro*dp) = "
+            f"{t.global_batch_size}/({t.micro_batch_size}*{dp}) = {grad_accum} < pp={p.pp}",
+            "raise train.global_batch_size or lower train.micro_batch_size",
+        )
+    if t.seq_len > m.max_position_embeddings:
+        _fail(f"train.seq_len={t.seq_len} exceeds model.max_position_embeddings={m.max_position_embeddings}",
+              "shorten seq_len or raise max_position_embeddings")
+
+    layout = Layout(world_size, p.pp, p.vpp, p.dp_replicate, dp_shard, p.cp, p.tp, p.sp, p.ep, p.etp, grad_accum)
+    for message in layout_warnings(layout, p.gpus_per_node):
+        warnings.warn(message, stacklevel=2)
+    return layout
+
+
+def layout_warnings(layout: Layout, gpus_per_node: int | None) -> list[str]:
+    out = []
+    per_node = gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))
+    if layout.tp > per_node:
+        out.append(f"tp={layout.tp} is larger than the {per_node} ranks of one node: tensor parallel "
+                   "traffic would cross nodes and collapse throughput; keep tp inside a node")
+    if layout.pp > 1 and layout.vpp == 1:
+        out.append(f"pp={layout.pp} without virtual stages (vpp=1): the pipeline bubble is "
+                   "(pp-1)/(m+pp-1) of each step; set parallel.vpp > 1 for an interleaved schedule")
+    return out
+
+
+@dataclass(frozen=True)
+class ParallelMesh:
+    """The DeviceMesh and the flattened submeshes derived from it, kept by name.
+
+    torch asks callers to keep flattened meshes themselves rather than slice them from the root,
+    so they live here. ``mesh["tp"]`` and ``mesh["dp_cp"]`` read the same way either way.
+    """
+
+    world: DeviceMesh
+    dp: DeviceMesh
+    dp_shard_cp: DeviceMesh
+    dp_cp: DeviceMesh
+    fsdp: DeviceMesh
+    """dp_shard_cp, or the 2-D (dp_replicate, dp_shard_cp) mesh for HSDP."""
+
+    def __getitem__(self, dim: str) -> DeviceMesh:
+        return getattr(self, dim) if dim in FLATTENED_DIMS else self.world[dim]
+
+    def size(self, dim: str) -> int:
+        return self[dim].size()
+
+    @property
+    def device_type(self) -> str:
+        return self.world.device_type
+
+    def describe(self, sequence_parallel: bool = False) -> str:
+        extras = ["SP"] if sequence_parallel else []
+        return describe_sizes({d: self.size(d) for d in DENSE_DIMS}, self.world.size(), extras=extras)
+
+
+FLATTENED_DIMS = ("dp", "dp_shard_cp", "dp_cp", "fsdp")
+
+
+def build_mesh(layout: Layout, device_type: str) -> ParallelMesh:
+    """Create the process groups of the dense mesh and its flattened submeshes."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sizes = tuple(getattr(layout, d) for d in DENSE_DIMS)
+    world = init_device_mesh(device_type, sizes, mesh_dim_names=DENSE_DIMS)
+    dp_cp = flatten(world, ("dp_replicate", "dp_shard", "cp"), "dp_cp")
+    dp_shard_cp = flatten(world, ("dp_shard", "cp"), "dp_shard_cp")
+    if layout.dp_replicate > 1:
+        fsdp = unflatten(dp_cp, (layout.dp_replicate, layout.dp_shard * layout.cp), ("dp_replicate", "dp_shard_cp"))
+    else:
+        fsdp = dp_shard_cp
+    return ParallelMesh(world, flatten(world, ("dp_replicate", "dp_shard"), "dp"), dp_shard_cp, dp_cp, fsdp)
+
+
+def build_expert_mesh(mesh: ParallelMesh, ep: int, etp: int) -> DeviceMesh:
+    """The expert grid (edp, ep, etp) over the same ranks as one pp stage's dense grid.
+
+    etp is innermost and ep next, as tp and cp are in the dense grid, so with ep*etp == tp*cp the
+    experts of a group sit on the ranks that share the dense tp x cp work.
+    """
+    stage = flatten(mesh.world, ("dp_replicate", "dp_shard", "cp", "tp"), "stage")
+    return unflatten(stage, (stage.size() // (ep * etp), ep, etp), ("edp", "ep", "etp"))

@@ -1,0 +1,108 @@
+"""Per-step metrics: throughput, FLOPs and MFU, memory, and where they are written.
+
+FLOPs per token follow the PaLM appendix B accounting used by Megatron and torchtitan:
+6 * (non-embedding parameters) for the matmuls of forward + backward, plus 12 * layers * heads *
+head_dim * seq_len for attention scores and values. MFU divides the achieved FLOP/s per device by
+the device's peak, given by ``logging.peak_tflops`` or looked up from the CUDA device name.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import resource
+import sys
+import time
+
+import torch
+
+from meshtrain.config import LoggingConfig, ModelConfig
+
+# Dense bf16 peak TFLOP/s by CUDA device name fragment.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "B200": 2250.0}
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, num_params: int) -> float:
+    embedding = cfg.vocab_size * cfg.hidden_size
+    dense = num_params - embedding  # the lm_head matmul counts, the embedding lookup does not
+    if cfg.tie_word_embeddings:
+        dense = num_params
+    attention = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.resolved_head_dim * seq_len
+    return 6 * dense + attention
+
+
+def peak_tflops(cfg: LoggingConfig, device: torch.device) -> float | None:
+    if cfg.peak_tflops is not None:
+        return cfg.peak_tflops
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    return None
+
+
+def memory_gib(device: torch.device) -> float:
+    """Peak device memory (CUDA) or peak resident memory of this process (CPU), in GiB."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
+
+
+class MetricsLogger:
+    """Rank 0 writes: a progress bar on a terminal or plain lines, metrics.jsonl, TensorBoard."""
+
+    def __init__(self, cfg: LoggingConfig, run_dir: pathlib.Path, total_steps: int, enabled: bool):
+        self.cfg, self.total_steps, self.enabled = cfg, total_steps, enabled
+        self.bar = cfg.progress == "on" or (cfg.progress == "auto" and sys.stdout.isatty())
+        self._jsonl = self._tb = None
+        if not enabled:
+            return
+        if cfg.jsonl:
+            self._jsonl = (run_dir / "metrics.jsonl").open("a")
+        if cfg.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                print("warning: logging.tensorboard=true but the tensorboard package is not installed "
+                      "(pip install 'meshtrain[tensorboard]'); writing metrics.jsonl only", flush=True)
+            else:
+                self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+        self._start = time.perf_counter()
+
+    def info(self, message: str) -> None:
+        if self.enabled:
+            if self.bar:
+                sys.stdout.write("\r\033[K")
+            print(message, flush=True)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        if self._jsonl:
+            self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+            self._jsonl.flush()
+        if self._tb:
+            for k, v in metrics.items():
+                self._tb.add_scalar(k, v, step)
+        if step % self.cfg.log_every and step != self.total_steps:
+            return
+        line = format_metrics(step, self.total_steps, metrics)
+        if self.bar:
+            done = int(30 * step / self.total_steps)
+            sys.stdout.write(f"\r\033[K[{'#' * done}{'.' * (30 - done)}] {line}")
+            sys.stdout.flush()
+            if step == self.total_steps:
+                sys.stdout.write("\n")
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        for f in (self._jsonl, self._tb):
+            if f is not None:
+                f.close()
+
+
+def format_metrics(step: int, total: int, m: dict[str, float]) -> str:
+    mfu = f"{100 * m['mfu']:.1f}%" if "mfu" in m else "n/a"
+    return (f"step {step:>{len(str(total))}}/{total}  loss {m['loss']:.4f}  grad_norm {m['grad_norm']:.3f}  "
+            f"lr {m['lr']:.2e}  tok/s {m['tokens_per_s']:,.0f}  TFLOP/s/dev {m['tflops_per_device']:.3f}  "
+            f"MFU {mfu}  mem {m['memory_gib']:.2f}GiB")

@@ -1,0 +1,74 @@
+"""Tensor and sequence parallelism: the ``parallelize_module`` plan for the transformer.
+
+Megatron's scheme: q/k/v and gate/up are column-parallel (each rank holds a slice of the heads or
+of the FFN), o and down are row-parallel, so each block costs one all-reduce in forward for
+attention and one for the MLP. With sequence parallel the norms and residual stream are split along
+the sequence: each all-reduce becomes a reduce-scatter after o/down plus an all-gather before
+q/k/v and gate/up, the same bytes with 1/tp of the norm activations per rank.
+
+The embedding is vocab-parallel (row-wise over its [vocab, hidden] table). The output projection is
+vocab-parallel too, and with ``loss_parallel`` the logits stay sharded into the cross-entropy
+(``torch.distributed.tensor.parallel.loss_parallel``), so no rank holds the full [tokens, vocab].
+Qwen3's per-head q/k norms see only the local heads; their weights are replicated DTensors so that
+autograd sums their gradients over the tp group.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from meshtrain.model import Transformer
+
+
+def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
+                          loss_parallel: bool) -> None:
+    sp = sequence_parallel
+    residual = Shard(1) if sp else Replicate()  # layout of the residual stream between blocks
+
+    top = {
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+        "lm_head": ColwiseParallel(
+            input_layouts=residual,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+    if sp:
+        top["norm"] = SequenceParallel()
+    parallelize_module(model, tp_mesh, top)
+
+    for layer in model.layers.values():
+        plan = {
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=residual),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=residual),
+        }
+        if sp:
+            plan |= {
+                "input_layernorm": SequenceParallel(),
+                "post_attention_layernorm": SequenceParallel(),
+                # (hidden, cos, sin): gather the sequence before the column-parallel projections.
+                "self_attn": PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                ),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            }
+        if layer.self_attn.qk_norm:
+            # Input [batch, seq, local_heads, head_dim] is sharded on the heads dim (2).
+            plan |= {
+                "self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+                "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+            }
+        parallelize_module(layer, tp_mesh, plan)
