@@ -11,12 +11,17 @@ vocab-parallel too, and with ``loss_parallel`` the logits stay sharded into the 
 (``torch.distributed.tensor.parallel.loss_parallel``), so no rank holds the full [tokens, vocab].
 Qwen3's per-head q/k norms see only the local heads; their weights are replicated DTensors so that
 autograd sums their gradients over the tp group.
+
+A replicated parameter fed by sharded activations (the norms under SP, the q/k norms) gets a
+Partial gradient: each tp rank holds a summand. ``reduce_partial_grads`` sums them once per step,
+after the last micro-batch; FSDP2 does this itself during its reduce-scatter when it is applied.
 """
 
 from __future__ import annotations
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -72,3 +77,12 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, sequence_p
                 "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
             }
         parallelize_module(layer, tp_mesh, plan)
+
+
+@torch.no_grad()
+def reduce_partial_grads(params: list[torch.Tensor]) -> None:
+    """All-reduce gradients left Partial by tensor parallelism into the parameter's placements."""
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and any(isinstance(pl, Partial) for pl in g.placements):
+            p.grad = g.redistribute(g.device_mesh, p.placements)

@@ -29,7 +29,7 @@ from meshtrain.mesh import Layout, ParallelMesh, build_mesh, plan_layout
 from meshtrain.metrics import MetricsLogger, flops_per_token, memory_gib, peak_tflops
 from meshtrain.model import Transformer
 from meshtrain.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
-from meshtrain.tensor_parallel import apply_tensor_parallel
+from meshtrain.tensor_parallel import apply_tensor_parallel, reduce_partial_grads
 
 # Layout features whose runtime lands with later issues; validated already, refused clearly.
 NOT_YET = {"pp": "pipeline parallelism (issue #4)", "cp": "context parallelism (issue #5)",
@@ -117,6 +117,7 @@ class Trainer:
             raise TrainingError(f"the loss became {loss_value} at step {self.step}; training stopped before "
                                 "the optimizer step. Fix: lower optimizer.lr, raise lr_schedule.warmup_steps, "
                                 "or enable train.grad_clip")
+        reduce_partial_grads(self.params)
         grad_norm = clip_grad_norm_(self.params, t.grad_clip, self.mesh).item()
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()

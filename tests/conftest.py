@@ -1,0 +1,41 @@
+"""Shared helpers: tiny configs and a torchrun launcher for multi-rank tests."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from meshtrain.config import JobConfig, from_dict
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def tiny_config(**sections) -> JobConfig:
+    """A model and batch small enough for 8 CPU ranks; ``sections`` override by section."""
+    base = {
+        "model": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 384},
+        "train": {"steps": 5, "global_batch_size": 8, "micro_batch_size": 2, "seq_len": 32},
+        "lr_schedule": {"warmup_steps": 2},
+        "logging": {"progress": "off", "jsonl": False},
+    }
+    for name, values in sections.items():
+        base.setdefault(name, {}).update(values)
+    return from_dict(JobConfig, base)
+
+
+def torchrun(nproc: int, args: list[str], timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``args`` (a script or ``-m module`` and its options) on ``nproc`` CPU ranks."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env.pop("MESHTRAIN_DEVICE", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    return str(tmp_path / "run")

@@ -1,0 +1,87 @@
+"""Every layout rule of REFERENCE section 2, each with its message; derived sizes; warnings."""
+
+import warnings
+
+import pytest
+
+from meshtrain.errors import ConfigError
+from meshtrain.mesh import layout_warnings, plan_layout
+from tests.conftest import tiny_config
+
+
+def plan(world, parallel=None, model=None, train=None):
+    cfg = tiny_config(parallel=parallel or {}, model=model or {}, train=train or {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return plan_layout(cfg, world)
+
+
+def test_dp_is_derived_from_the_world():
+    lay = plan(8, {"tp": 2})
+    assert (lay.dp_shard, lay.dp, lay.tp) == (4, 4, 2)
+    lay = plan(8, {"tp": 2, "dp_replicate": 2})
+    assert (lay.dp_replicate, lay.dp_shard, lay.dp) == (2, 2, 4)
+    lay = plan(8, {"pp": 2, "tp": 2, "cp": 2}, train={"micro_batch_size": 1})
+    assert lay.dp == 1 and lay.edp == 4
+
+
+def test_grad_accumulation_from_global_micro_and_dp():
+    lay = plan(2, {}, train={"global_batch_size": 16, "micro_batch_size": 2})
+    assert lay.grad_accum_steps == 4
+
+
+def test_layout_line():
+    lay = plan(4, {"tp": 2, "pp": 2, "sp": True}, train={"micro_batch_size": 1})
+    assert lay.describe().startswith("TP2 PP2 DP1 CP1 EP1 [SP]")
+    assert plan(8, {"dp_replicate": 2, "dp_shard": 4}, train={"micro_batch_size": 1}).describe() == "TP1 PP1 DP8 CP1 EP1 [HSDP 2x4] (world 8)"
+
+
+@pytest.mark.parametrize("world,parallel,model,train,message", [
+    (4, {"tp": 3}, {}, {},
+     r"world size 4 is not divisible by pp\*dp_replicate\*cp\*tp"),
+    (8, {"tp": 2, "dp_shard": 2}, {}, {}, r"does not equal the world size 8.*dp_shard=-1"),
+    (2, {"tp": 0}, {}, {}, r"parallel.tp=0 must be >= 1"),
+    (2, {"dp_shard": 0}, {}, {}, r"parallel.dp_shard=0 must be >= 1, or -1"),
+    (2, {"sp": True}, {}, {}, r"parallel.sp=true requires parallel.tp > 1"),
+    (2, {"cp": 2}, {}, {"seq_len": 30}, r"train.seq_len=30 must be divisible by 2\*cp = 4"),
+    (2, {"ep": 2}, {}, {}, r"expert parallelism needs an MoE model"),
+    (2, {"etp": 2}, {}, {}, r"expert parallelism needs an MoE model"),
+    (2, {"tp": 2}, {"num_attention_heads": 3, "num_key_value_heads": 1}, {},
+     r"tp=2 must divide model.num_attention_heads=3"),
+    (4, {"tp": 4}, {"num_key_value_heads": 2}, {}, r"tp=4 must divide model.num_key_value_heads=2.*use tp <= 2"),
+    (2, {"tp": 2}, {"intermediate_size": 129}, {}, r"must divide model.intermediate_size=129"),
+    (2, {"tp": 2}, {"vocab_size": 385}, {}, r"must divide model.vocab_size=385.*model.vocab_size=386"),
+    (2, {"tp": 2}, {"tie_word_embeddings": True}, {}, r"tie_word_embeddings=true with parallel.tp > 1"),
+    (4, {"pp": 4}, {"num_hidden_layers": 2}, {"micro_batch_size": 1}, r"num_hidden_layers=2 cannot be split.*pp\*vpp = 4\*1"),
+    (4, {"pp": 2, "vpp": 2}, {"num_hidden_layers": 6}, {"micro_batch_size": 1}, r"pp\*vpp = 2\*2 = 4 stages"),
+    (4, {}, {}, {"global_batch_size": 6, "micro_batch_size": 1},
+     r"global_batch_size=6 must be divisible by micro_batch_size\*dp = 1\*4"),
+    (2, {"pp": 2, "vpp": 2}, {"num_hidden_layers": 4}, {"global_batch_size": 1, "micro_batch_size": 1},
+     r"interleaved pipeline schedules need n_microbatches >= pp.*= 1 < pp=2"),
+    (1, {}, {"max_position_embeddings": 16}, {"seq_len": 32}, r"seq_len=32 exceeds model.max_position_embeddings=16"),
+])
+def test_bad_layouts_are_rejected_with_the_rule(world, parallel, model, train, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        plan(world, parallel, model, train)
+    assert "Fix:" in str(info.value)
+
+
+def test_expert_grid_must_fit_a_stage(monkeypatch):
+    # A dense model rejects ep before the grid rule; fake an MoE model to reach it.
+    monkeypatch.setattr(type(tiny_config().model), "num_experts", property(lambda self: 8))
+    lay = plan(8, {"tp": 2, "ep": 8})  # pp1 tp2 ep8 fits 8 ranks: the grids share ranks
+    assert lay.ep == 8 and lay.edp == 1
+    with pytest.raises(ConfigError, match=r"minimum world is pp\*max\(tp\*cp, ep\*etp\) = 16"):
+        plan(8, {"pp": 2, "tp": 2, "ep": 8})
+    with pytest.raises(ConfigError, match=r"num_experts=8 is not divisible by parallel.ep=3"):
+        plan(6, {"ep": 3}, train={"global_batch_size": 12})
+
+
+def test_warnings_not_errors():
+    lay = plan(8, {"tp": 8}, {"num_attention_heads": 8, "num_key_value_heads": 8})
+    msgs = layout_warnings(lay, gpus_per_node=4)
+    assert any("tp=8 is larger than the 4 ranks of one node" in m for m in msgs)
+    lay = plan(4, {"pp": 2}, train={"micro_batch_size": 1})
+    assert any("pipeline bubble" in m and "vpp" in m for m in layout_warnings(lay, None))
+    with pytest.warns(UserWarning, match="pipeline bubble"):
+        plan_layout(tiny_config(parallel={"pp": 2}, train={"micro_batch_size": 1}), 4)
