@@ -1,0 +1,48 @@
+"""Run on every rank by torchrun: train a few steps with the CLI's options, save what rank 0 sees.
+
+    torchrun ... tests/parity_worker.py OUT.pt [meshtrain train options ...]
+
+OUT.pt holds the per-step losses and grad norms, the full (unsharded) final weights, and the
+collectives of the first step by op name.
+"""
+
+import sys
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from meshtrain.cli import parse
+from meshtrain.config import JobConfig
+from meshtrain.distributed import init_distributed, shutdown, world_size_from_env
+from meshtrain.mesh import build_mesh, plan_layout
+from meshtrain.train import Trainer, check_runnable
+from tests.comm_counter import CollectiveCounter
+
+
+def main() -> None:
+    out, args = sys.argv[1], sys.argv[2:]
+    cfg = parse(JobConfig, args, "parity_worker")
+    layout = plan_layout(cfg, world_size_from_env())
+    check_runnable(layout)
+    runtime = init_distributed(cfg.parallel.timeout_s)
+    try:
+        mesh = build_mesh(layout, runtime.device.type)
+        trainer = Trainer(cfg, runtime, mesh)
+        with CollectiveCounter() as comm:
+            history = [trainer.train_step()]
+        history += [trainer.train_step() for _ in range(cfg.train.steps - 1)]
+        state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if runtime.is_main:
+            torch.save({
+                "layout": mesh.describe(cfg.parallel.sp),
+                "losses": [m["loss"] for m in history],
+                "grad_norms": [m["grad_norm"] for m in history],
+                "state": state,
+                "comm_counts": dict(comm.counts),
+            }, out)
+    finally:
+        shutdown()
+
+
+if __name__ == "__main__":
+    main()

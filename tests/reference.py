@@ -1,0 +1,40 @@
+"""The single-process reference run every parallel layout is compared with.
+
+Plain modules, torch's own clip_grad_norm_, no mesh, no DTensor: only the building blocks that
+have nothing parallel in them (model, init, data order, optimizer groups, schedule) are shared.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from meshtrain.config import JobConfig
+from meshtrain.data import BatchStream, PackedDataset, build_tokenizer, tokenize_corpus
+from meshtrain.initialize import init_weights
+from meshtrain.model import Transformer
+from meshtrain.optim import build_lr_scheduler, build_optimizer
+
+
+def reference_run(cfg: JobConfig) -> dict:
+    t = cfg.train
+    torch.manual_seed(t.seed)
+    model = Transformer(cfg.model)
+    init_weights(model, t.seed)
+    dataset = PackedDataset(tokenize_corpus(cfg.data, build_tokenizer(cfg.data)), t.seq_len)
+    stream = BatchStream(dataset, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size, dp_size=1,
+                         dp_rank=0, shuffle=cfg.data.shuffle, seed=t.seed, num_workers=0)
+    optimizer = build_optimizer(model, cfg.optimizer)
+    scheduler = build_lr_scheduler(optimizer, t.steps, cfg.lr_schedule)
+    losses, grad_norms = [], []
+    for _ in range(t.steps):
+        batches = stream.next_step()
+        total = 0.0
+        for x, y in batches:
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / len(batches)
+            loss.backward()
+            total += loss.item()
+        grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip).item())
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        losses.append(total)
+    return {"losses": losses, "grad_norms": grad_norms, "state": model.state_dict()}
