@@ -119,6 +119,10 @@ class Trainer:
                                 "or enable train.grad_clip")
         reduce_partial_grads(self.params)
         grad_norm = clip_grad_norm_(self.params, t.grad_clip, self.mesh).item()
+        if not math.isfinite(grad_norm):
+            raise TrainingError(f"the gradient norm became {grad_norm} at step {self.step} (loss {loss_value:.4f}); "
+                                "training stopped before the optimizer step. Fix: lower optimizer.lr or "
+                                "raise lr_schedule.warmup_steps")
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()

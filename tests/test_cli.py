@@ -1,0 +1,114 @@
+"""End to end: what the README's main command runs (shortened), the CLI surfaces, and user
+mistakes ending in one clear message with exit status 2 and no traceback."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from tests.conftest import ROOT, torchrun
+
+
+def meshtrain(*args, env=None, timeout=300) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "meshtrain", *args], cwd=ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def launch(nproc, *args, timeout=600) -> subprocess.CompletedProcess:
+    """The README's launcher, with this interpreter."""
+    env = {**os.environ, "MESHTRAIN_PYTHON": sys.executable}
+    return subprocess.run(["bash", "launch/torchrun.sh", str(nproc), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_readme_main_job_shortened(tmp_path):
+    run_dir = tmp_path / "debug"
+    proc = launch(4, "--config", "configs/debug.yaml", "--train.steps", "4", "--train.run-dir", str(run_dir))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "layout: TP2 PP1 DP2 CP1 EP1 [SP] (world 4)" in proc.stdout
+    assert "step 4/4" in proc.stdout
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all(r["loss"] == r["loss"] and r["tokens_per_s"] > 0 for r in records)
+    assert records[-1]["loss"] < records[0]["loss"]
+    resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert resolved["parallel"]["tp"] == 2 and resolved["train"]["steps"] == 4  # the CLI override
+
+
+def test_help_lists_subcommands_and_options():
+    top = meshtrain("--help")
+    assert top.returncode == 0 and "train" in top.stdout
+    sub = meshtrain("train", "--help")
+    assert sub.returncode == 0 and "--parallel.tp" in sub.stdout and "--config" in sub.stdout
+    script = pathlib.Path(sys.executable).parent / "meshtrain"
+    assert subprocess.run([str(script), "--help"], capture_output=True, text=True).returncode == 0
+
+
+def test_dry_run_prints_the_layout_without_training():
+    proc = meshtrain("train", "--config", "configs/smoke_tp2_pp2.yaml", "--train.dry-run", "True",
+                     env={"WORLD_SIZE": "4"})
+    assert proc.returncode == 0, proc.stderr
+    assert "layout: TP2 PP2 DP1 CP1 EP1 [SP] (world 4)" in proc.stdout
+    assert "grad_accum_steps = 8" in proc.stdout
+    assert "pipeline bubble" in proc.stderr  # pp without vpp is a warning
+
+
+def test_single_process_run_writes_metrics(tmp_path):
+    proc = meshtrain("train", "--train.steps", "3", "--model.num-hidden-layers", "1", "--train.seq-len", "32",
+                     "--train.run-dir", str(tmp_path), "--logging.progress", "off")
+    assert proc.returncode == 0, proc.stderr
+    assert "layout: TP1 PP1 DP1 CP1 EP1 (world 1)" in proc.stdout
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+@pytest.mark.parametrize("args,env,message", [
+    (["--parallel.tp", "3"], {"WORLD_SIZE": "4"}, "world size 4 is not divisible"),
+    (["--parallel.sp", "True"], {}, "parallel.sp=true requires parallel.tp > 1"),
+    (["--data.path", "/nonexistent/corpus.txt"], {}, "data.path: '/nonexistent/corpus.txt' does not exist"),
+    (["--data.tokenizer", "/nonexistent/tokenizer.json"], {}, "data.tokenizer: no tokenizer file"),
+    (["--config", "/nonexistent.yaml"], {}, "--config: no such file"),
+    (["--model.vocab-size", "100"], {}, "model.vocab_size=100 is smaller than the tokenizer's vocabulary"),
+    (["--parallel.pp", "2", "--train.micro-batch-size", "1"], {"WORLD_SIZE": "2"}, "pipeline parallelism (issue #4)"),
+    (["--train.seq-len", "4096"], {}, "exceeds model.max_position_embeddings"),
+])
+def test_user_mistakes_are_one_clear_message(args, env, message, tmp_path):
+    proc = meshtrain("train", "--train.run-dir", str(tmp_path), *args, env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_unknown_yaml_key_is_one_clear_message(tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("parallel:\n  tensor_parallel: 2\n")
+    proc = meshtrain("train", "--config", str(cfg))
+    assert proc.returncode == 2 and "unknown config key 'parallel.tensor_parallel'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_unknown_cli_option_is_rejected():
+    proc = meshtrain("train", "--train.stpes", "3")
+    assert proc.returncode != 0 and "--train.steps" in proc.stderr  # tyro suggests the right one
+
+
+def test_non_finite_loss_stops_with_the_step(tmp_path):
+    proc = meshtrain("train", "--train.steps", "5", "--optimizer.lr", "1e4", "--train.grad-clip", "0",
+                     "--lr-schedule.warmup-steps", "1", "--model.num-hidden-layers", "1", "--train.seq-len", "32",
+                     "--train.run-dir", str(tmp_path), "--logging.progress", "off")
+    assert proc.returncode == 2
+    assert "became nan at step" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_multi_rank_user_mistake_does_not_hang(tmp_path):
+    """A config error under torchrun ends every rank with the message, not a hang."""
+    proc = torchrun(2, ["-m", "meshtrain", "train", "--data.path", str(tmp_path / "missing.txt"),
+                        "--parallel.tp", "2", "--train.run-dir", str(tmp_path)], timeout=120)
+    assert proc.returncode != 0
+    assert "data.path" in proc.stderr and "does not exist" in proc.stderr
