@@ -90,6 +90,9 @@ class ParallelConfig:
     """Expert parallel size (alias: expert_model_parallel_size)."""
     etp: int = 1
     """Tensor parallel inside each expert (alias: expert_tensor_parallel_size)."""
+    fsdp_reshard_after_forward: bool = True
+    """Free each block's gathered parameters after its forward (re-gather in backward): less
+    memory for one more all-gather per block. The root unit always keeps them."""
     loss_parallel: bool = True
     """With tp > 1, compute cross-entropy on the vocab-sharded logits without gathering them."""
     gpus_per_node: int | None = None

@@ -241,11 +241,11 @@ def build_mesh(layout: Layout, device_type: str) -> ParallelMesh:
     return ParallelMesh(world, flatten(world, ("dp_replicate", "dp_shard"), "dp"), dp_shard_cp, dp_cp, fsdp)
 
 
-def build_expert_mesh(mesh: ParallelMesh, ep: int, etp: int) -> DeviceMesh:
+def build_expert_mesh(mesh: ParallelMesh, layout: Layout) -> DeviceMesh:
     """The expert grid (edp, ep, etp) over the same ranks as one pp stage's dense grid.
 
     etp is innermost and ep next, as tp and cp are in the dense grid, so with ep*etp == tp*cp the
     experts of a group sit on the ranks that share the dense tp x cp work.
     """
     stage = flatten(mesh.world, ("dp_replicate", "dp_shard", "cp", "tp"), "stage")
-    return unflatten(stage, (stage.size() // (ep * etp), ep, etp), ("edp", "ep", "etp"))
+    return unflatten(stage, (layout.edp, layout.ep, layout.etp), ("edp", "ep", "etp"))

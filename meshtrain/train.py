@@ -51,7 +51,8 @@ def build_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device) -> Tra
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=cfg.parallel.sp,
                               loss_parallel=cfg.parallel.loss_parallel)
     if mesh.size("dp_cp") > 1:
-        apply_fsdp(model, mesh.fsdp, mixed_precision=cfg.train.mixed_precision, reshard_after_forward=True)
+        apply_fsdp(model, mesh.fsdp, mixed_precision=cfg.train.mixed_precision,
+                   reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward)
     model.to_empty(device=device)
     model.tie_weights()
     init_weights(model, cfg.train.seed)

@@ -67,6 +67,16 @@ def test_single_process_run_writes_metrics(tmp_path):
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
 
 
+def test_bf16_with_a_peak_reports_mfu(tmp_path):
+    proc = meshtrain("train", "--train.steps", "2", "--model.num-hidden-layers", "1", "--train.seq-len", "32",
+                     "--train.mixed-precision", "bf16", "--logging.peak-tflops", "1.0",
+                     "--train.run-dir", str(tmp_path), "--logging.progress", "off")
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 < r["mfu"] < 1 and r["loss"] < 7 for r in records)
+    assert "MFU n/a" not in proc.stdout
+
+
 @pytest.mark.parametrize("args,env,message", [
     (["--parallel.tp", "3"], {"WORLD_SIZE": "4"}, "world size 4 is not divisible"),
     (["--parallel.sp", "True"], {}, "parallel.sp=true requires parallel.tp > 1"),

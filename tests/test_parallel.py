@@ -79,7 +79,7 @@ def expected_collectives(name: str, counts: dict) -> None:
                           "all_reduce": 2 * L + 1, "allreduce": 1}
     elif name == "hsdp2x2":  # 1 micro-batch; the replicate all-reduce is one per FSDP unit
         assert counts == fsdp | {"allreduce": 2 + (L + 1)}
-X
+    elif name == "fsdp4-tp2-sp":  # 1 micro-batch; the norms' Partial tp grads: 2L+1 all-reduces
         assert counts == fsdp | {"reduce_scatter": 2 * (2 * L + 1), "all_gather": 2 * (2 * L + 1),
                                  "all_reduce": 2 * L + 1, "allreduce": 2}
 
@@ -100,7 +100,13 @@ def test_qwen3_tp2_sp_with_hsdp(tmp_path):
     assert_matches_reference(got, reference(extra))
 
 
-def test_activation_checkpointing_under_fsdp(tmp_path):
-    extra = ("--train.activation-checkpointing", "True")
-    got = run_layout(tmp_path, 2, ["--parallel.dp-shard", "2"], extra)
-    assert_matches_reference(got, reference(()))
+def test_tied_embeddings_and_activation_checkpointing_under_fsdp(tmp_path):
+    tied = ("--model.tie-word-embeddings", "True")
+    got = run_layout(tmp_path, 2, ["--parallel.dp-shard", "2"], tied + ("--train.activation-checkpointing", "True"))
+    assert_matches_reference(got, reference(tied))
+
+
+def test_mesh_groups_on_eight_ranks():
+    """Every flattened submesh and the expert grid hold the ranks the layout table says."""
+    proc = torchrun(8, ["tests/mesh_worker.py"], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
