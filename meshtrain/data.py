@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import warnings
 from typing import Iterator, Protocol
 
 import torch
@@ -22,6 +23,10 @@ from meshtrain.config import DataConfig
 from meshtrain.errors import DataError
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
+
+# torchdata 0.11 calls torch.set_vital, deprecated in torch 2.13: one warning per rank and loader,
+# nothing a user can act on.
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 
 
 class Tokenizer(Protocol):
