@@ -12,7 +12,6 @@ import json
 import pathlib
 import resource
 import sys
-import time
 
 import torch
 
@@ -66,7 +65,6 @@ class MetricsLogger:
                       "(pip install 'meshtrain[tensorboard]'); writing metrics.jsonl only", flush=True)
             else:
                 self._tb = SummaryWriter(str(run_dir / "tensorboard"))
-        self._start = time.perf_counter()
 
     def info(self, message: str) -> None:
         if self.enabled:
