@@ -14,18 +14,28 @@ from meshtrain.config import JobConfig, from_dict
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+TINY = {
+    "model": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 384},
+    "train": {"steps": 5, "global_batch_size": 8, "micro_batch_size": 2, "seq_len": 32},
+    "lr_schedule": {"warmup_steps": 2},
+    "logging": {"progress": "off", "jsonl": False},
+}
+"""A model and batch small enough for 8 CPU ranks."""
+
+
 def tiny_config(**sections) -> JobConfig:
-    """A model and batch small enough for 8 CPU ranks; ``sections`` override by section."""
-    base = {
-        "model": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                  "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 384},
-        "train": {"steps": 5, "global_batch_size": 8, "micro_batch_size": 2, "seq_len": 32},
-        "lr_schedule": {"warmup_steps": 2},
-        "logging": {"progress": "off", "jsonl": False},
-    }
+    """TINY as a config; ``sections`` override by section."""
+    base = {name: dict(values) for name, values in TINY.items()}
     for name, values in sections.items():
         base.setdefault(name, {}).update(values)
     return from_dict(JobConfig, base)
+
+
+def tiny_args() -> list[str]:
+    """TINY as command-line options, for runs launched through the CLI."""
+    return [arg for section, values in TINY.items() for key, value in values.items()
+            for arg in (f"--{section.replace('_', '-')}.{key.replace('_', '-')}", str(value))]
 
 
 def torchrun(nproc: int, args: list[str], timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from meshtrain.cli import parse
-from meshtrain.config import JobConfig, dump_yaml
-from tests.conftest import torchrun
+from meshtrain.config import JobConfig
+from tests.conftest import tiny_args, torchrun
 from tests.reference import reference_run
 
 pytestmark = pytest.mark.slow
@@ -21,10 +21,7 @@ LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 2e-5
 WEIGHT_RTOL = 1e-4
 
-TINY = ["--model.hidden-size", "64", "--model.intermediate-size", "128", "--model.num-hidden-layers", "2",
-        "--model.num-attention-heads", "4", "--model.num-key-value-heads", "2",
-        "--train.steps", "5", "--train.global-batch-size", "8", "--train.micro-batch-size", "2",
-        "--train.seq-len", "32", "--lr-schedule.warmup-steps", "2", "--logging.jsonl", "False"]
+TINY = tiny_args()
 
 
 @functools.cache
