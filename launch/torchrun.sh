@@ -6,8 +6,8 @@ nproc=$1; shift
 root=$(cd "$(dirname "$0")/.." && pwd)
 python=${MESHTRAIN_PYTHON:-$root/.venv/bin/python}
 # Validate once, in one process, with the job's world size: a bad layout then prints one message
-# instead of one per rank plus torchrun's failure report.
-WORLD_SIZE=$nproc LOCAL_WORLD_SIZE=$nproc "$python" -m meshtrain train "$@" --train.dry-run True >/dev/null
+# instead of one per rank plus torchrun's failure report. Its warnings are left to the job's rank 0.
+WORLD_SIZE=$nproc LOCAL_WORLD_SIZE=$nproc "$python" -W ignore -m meshtrain train "$@" --train.dry-run True >/dev/null
 # Share the cores between ranks; oversubscribed OpenMP threads make CPU runs crawl.
 threads=$(( $(nproc) / nproc )); [ "$threads" -ge 1 ] || threads=1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$threads}

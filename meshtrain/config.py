@@ -68,6 +68,10 @@ class ModelConfig:
         return 0
 
 
+PipelineSchedule = Literal["auto", "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+                           "ZBVZeroBubble", "DualPipeV"]
+
+
 @dataclass
 class ParallelConfig:
     """Sizes of the 5-D device mesh (pp, dp, cp, tp, ep). Their product rules are in mesh.py."""
@@ -76,6 +80,12 @@ class ParallelConfig:
     """Pipeline stages (alias: pipeline_model_parallel_size)."""
     vpp: int = 1
     """Virtual pipeline stages per rank (alias: virtual_pipeline_model_parallel_size)."""
+    pp_schedule: PipelineSchedule = "auto"
+    """auto: 1F1B with vpp=1, Interleaved1F1B with vpp>1. ZBVZeroBubble and DualPipeV place two
+    stages per rank in a V (vpp=2)."""
+    pp_layers_per_stage: list[int] | None = None
+    """Decoder layers in each of the pp*vpp stages, in stage order, e.g. [1, 3, 3, 1] to offset the
+    embedding and output cost of the first and last stage; None splits evenly."""
     dp_replicate: int = 1
     """Replicated data-parallel groups; > 1 with dp_shard > 1 gives HSDP."""
     dp_shard: int = -1
@@ -90,9 +100,10 @@ class ParallelConfig:
     """Expert parallel size (alias: expert_model_parallel_size)."""
     etp: int = 1
     """Tensor parallel inside each expert (alias: expert_tensor_parallel_size)."""
-    fsdp_reshard_after_forward: bool = True
-    """Free each block's gathered parameters after its forward (re-gather in backward): less
-    memory for one more all-gather per block. The root unit always keeps them."""
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """Free each block's gathered parameters after its forward and re-gather them in backward
+    (always): less memory for one more all-gather per block, and per micro-batch under a pipeline.
+    default: always without pp, never with pp. The root unit always keeps them."""
     loss_parallel: bool = True
     """With tp > 1, compute cross-entropy on the vocab-sharded logits without gathering them."""
     gpus_per_node: int | None = None
@@ -241,6 +252,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         return float(value)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")

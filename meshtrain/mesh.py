@@ -21,11 +21,17 @@ from dataclasses import dataclass
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshtrain._torch_mesh import flatten, unflatten
-from meshtrain.config import JobConfig
+from meshtrain.config import JobConfig, ParallelConfig
 from meshtrain.errors import ConfigError
 
 DENSE_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-INTERLEAVED_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
+# torch.distributed.pipelining schedules by how they place stages: one per rank; several per rank
+# in a loop (stage s on rank s % pp); two per rank in a V (rank r holds stages r and 2*pp-1-r).
+SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
+LOOPED_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+# Schedules that split backward into input-grad and weight-grad passes.
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,10 @@ class Layout:
     ep: int
     etp: int
     grad_accum_steps: int
+    """Micro-batches per optimizer step on each rank; with pp > 1, the pipeline's n_microbatches."""
+    pp_schedule: str
+    stage_layers: tuple[int, ...]
+    """Decoder layers in each of the pp*vpp pipeline stages, in stage order."""
 
     @property
     def dp(self) -> int:
@@ -55,8 +65,8 @@ class Layout:
 
     def describe(self) -> str:
         sizes = {d: getattr(self, d) for d in DENSE_DIMS}
-        extras = [f"SP" if self.sp else "", f"VPP{self.vpp}" if self.vpp > 1 else "",
-                  f"ETP{self.etp}" if self.etp > 1 else ""]
+        extras = ["SP" if self.sp else "", f"VPP{self.vpp}" if self.vpp > 1 else "",
+                  f"ETP{self.etp}" if self.etp > 1 else "", self.pp_schedule if self.pp > 1 else ""]
         return describe_sizes(sizes, self.world_size, ep=self.ep, extras=[e for e in extras if e])
 
 
@@ -149,13 +159,14 @@ def plan_layout(cfg: JobConfig, world_size: int) -> Layout:
         _fail("model.tie_word_embeddings=true with parallel.tp > 1 is not supported",
               "untie the embeddings or use tp=1")
 
-    # Pipeline.
-    if m.num_hidden_layers % (p.pp * p.vpp):
-        _fail(
-            f"model.num_hidden_layers={m.num_hidden_layers} cannot be split evenly into "
-            f"pp*vpp = {p.pp}*{p.vpp} = {p.pp * p.vpp} stages",
-            "choose pp and vpp whose product divides the layer count",
-        )
+    # Pipeline (stage split here; schedule rules need the micro-batch count, below).
+    stage_layers = stage_layer_counts(m.num_hidden_layers, p.pp, p.vpp, p.pp_layers_per_stage)
+    if p.vpp > 1 and p.pp == 1:
+        _fail(f"parallel.vpp={p.vpp} needs parallel.pp > 1 (virtual stages interleave over pipeline ranks)",
+              "set parallel.vpp=1 or parallel.pp >= 2")
+    if m.tie_word_embeddings and p.pp > 1:
+        _fail("model.tie_word_embeddings=true with parallel.pp > 1 is not supported (the embedding and "
+              "the output projection live on different pipeline stages)", "untie the embeddings or use pp=1")
 
     # Batch.
     if t.global_batch_size % (t.micro_batch_size * dp):
@@ -165,20 +176,89 @@ def plan_layout(cfg: JobConfig, world_size: int) -> Layout:
             f"use a global batch that is a multiple of {t.micro_batch_size * dp}",
         )
     grad_accum = t.global_batch_size // (t.micro_batch_size * dp)
-    if p.vpp > 1 and grad_accum < p.pp:
-        _fail(
-            f"interleaved pipeline schedules need n_microbatches >= pp, but global/(micro*dp) = "
-            f"{t.global_batch_size}/({t.micro_batch_size}*{dp}) = {grad_accum} < pp={p.pp}",
-            "raise train.global_batch_size or lower train.micro_batch_size",
-        )
+    schedule = resolve_schedule(p.pp_schedule, p.vpp)
+    if p.pp > 1:
+        check_schedule(schedule, p.pp, p.vpp, grad_accum,
+                       f"global/(micro*dp) = {t.global_batch_size}/({t.micro_batch_size}*{dp}) = {grad_accum}")
+    if schedule in SPLIT_BACKWARD_SCHEDULES and p.pp > 1 and dp_shard * p.cp > 1 \
+            and p.fsdp_reshard_after_forward == "always":
+        # Measured with torch 2.13.0: the weight-grad pass then computes gradients that differ from
+        # the single-process ones (~0.4% on the loss after one step), silently.
+        _fail(f"parallel.fsdp_reshard_after_forward=always with parallel.pp_schedule={schedule} and FSDP "
+              "gives wrong gradients in torch 2.13 (the deferred weight-grad pass meets resharded "
+              "parameters)", "use parallel.fsdp_reshard_after_forward=default (never under a pipeline)")
     if t.seq_len > m.max_position_embeddings:
         _fail(f"train.seq_len={t.seq_len} exceeds model.max_position_embeddings={m.max_position_embeddings}",
               "shorten seq_len or raise max_position_embeddings")
 
-    layout = Layout(world_size, p.pp, p.vpp, p.dp_replicate, dp_shard, p.cp, p.tp, p.sp, p.ep, p.etp, grad_accum)
-    for message in layout_warnings(layout, p.gpus_per_node):
+    layout = Layout(world_size, p.pp, p.vpp, p.dp_replicate, dp_shard, p.cp, p.tp, p.sp, p.ep, p.etp, grad_accum,
+                    schedule, tuple(stage_layers))
+    messages = layout_warnings(layout, p.gpus_per_node)
+    if p.pp == 1 and p.pp_schedule != "auto":
+        messages.append(f"parallel.pp_schedule={p.pp_schedule} has no effect with pp=1")
+    for message in messages:
         warnings.warn(message, stacklevel=2)
     return layout
+
+
+def reshard_after_forward(policy: str, pp: int) -> bool:
+    """FSDP's reshard-after-forward: by default not under a pipeline, where each micro-batch's
+    forward and backward would otherwise gather every block's parameters again."""
+    return policy == "always" or (policy == "default" and pp == 1)
+
+
+def resolve_schedule(name: str, vpp: int) -> str:
+    if name != "auto":
+        return name
+    return "1F1B" if vpp == 1 else "Interleaved1F1B"
+
+
+def stage_layer_counts(num_layers: int, pp: int, vpp: int, explicit: list[int] | None) -> list[int]:
+    """Layers per pipeline stage: ``explicit`` checked, or an even split."""
+    stages = pp * vpp
+    if explicit is None:
+        if num_layers % stages:
+            _fail(f"model.num_hidden_layers={num_layers} cannot be split evenly into pp*vpp = {pp}*{vpp} = "
+                  f"{stages} stages", "choose pp and vpp whose product divides the layer count, or give "
+                  "parallel.pp_layers_per_stage")
+        return [num_layers // stages] * stages
+    if len(explicit) != stages:
+        _fail(f"parallel.pp_layers_per_stage has {len(explicit)} entries but there are pp*vpp = {pp}*{vpp} = "
+              f"{stages} stages", f"give {stages} layer counts, one per stage in stage order")
+    if sum(explicit) != num_layers or min(explicit) < 0:
+        _fail(f"parallel.pp_layers_per_stage={explicit} must be non-negative counts summing to "
+              f"model.num_hidden_layers={num_layers} (they sum to {sum(explicit)})", "fix the counts")
+    empty_middle = [i for i, n in enumerate(explicit) if n == 0 and 0 < i < stages - 1]
+    if empty_middle:
+        _fail(f"parallel.pp_layers_per_stage={explicit}: middle stage(s) {empty_middle} have no layers "
+              "(only the first and last stages hold the embedding and the output head)",
+              "give every middle stage at least one layer")
+    return list(explicit)
+
+
+def check_schedule(schedule: str, pp: int, vpp: int, n_microbatches: int, where: str) -> None:
+    """The pipeline schedule's own constraints, stated before torch would raise them mid-setup."""
+    field = "parallel.pp_schedule"
+    if schedule in SINGLE_STAGE_SCHEDULES and vpp > 1:
+        _fail(f"{field}={schedule} runs one stage per rank but parallel.vpp={vpp}",
+              "use Interleaved1F1B, LoopedBFS or InterleavedZeroBubble, or set parallel.vpp=1")
+    if schedule in V_SCHEDULES and vpp != 2:
+        _fail(f"{field}={schedule} places exactly two stages per rank in a V, so it needs parallel.vpp=2, "
+              f"not {vpp}", "set parallel.vpp=2")
+    if schedule == "1F1B" and n_microbatches < pp:
+        _fail(f"{field}=1F1B needs n_microbatches >= pp, but {where} < pp={pp}",
+              "raise train.global_batch_size or lower train.micro_batch_size, or use GPipe")
+    if schedule in LOOPED_SCHEDULES:
+        if n_microbatches < pp:
+            _fail(f"interleaved pipeline schedules need n_microbatches >= pp, but {where} < pp={pp}",
+                  "raise train.global_batch_size or lower train.micro_batch_size")
+        rounds = n_microbatches // pp
+        if schedule != "LoopedBFS" and n_microbatches % rounds:
+            _fail(f"{field}={schedule} runs n_microbatches in rounds of pp: {where} is not a multiple of "
+                  f"{n_microbatches}//pp = {rounds} rounds", f"use a multiple of pp={pp} micro-batches")
+    if schedule == "DualPipeV" and n_microbatches < 2 * pp:
+        _fail(f"{field}=DualPipeV needs n_microbatches >= pp*vpp = {2 * pp} stages, but {where}",
+              "raise train.global_batch_size or lower train.micro_batch_size")
 
 
 def layout_warnings(layout: Layout, gpus_per_node: int | None) -> list[str]:
@@ -218,9 +298,13 @@ class ParallelMesh:
     def device_type(self) -> str:
         return self.world.device_type
 
-    def describe(self, sequence_parallel: bool = False) -> str:
-        extras = ["SP"] if sequence_parallel else []
-        return describe_sizes({d: self.size(d) for d in DENSE_DIMS}, self.world.size(), extras=extras)
+    def describe(self, parallel: ParallelConfig) -> str:
+        """The layout line; the config adds what is not a mesh dim (SP, virtual stages, schedule)."""
+        pp = self.size("pp")
+        extras = ["SP" if parallel.sp else "", f"VPP{parallel.vpp}" if parallel.vpp > 1 else "",
+                  resolve_schedule(parallel.pp_schedule, parallel.vpp) if pp > 1 else ""]
+        return describe_sizes({d: self.size(d) for d in DENSE_DIMS}, self.world.size(),
+                              extras=[e for e in extras if e])
 
 
 FLATTENED_DIMS = ("dp", "dp_shard_cp", "dp_cp", "fsdp")

@@ -83,6 +83,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """cos/sin: the whole RoPE tables; the sequence length is read here, where the input is whole
+        even when sequence parallelism splits the residual stream."""
         batch, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.q_proj(x).view(batch, seq, -1, self.head_dim)
@@ -90,6 +92,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos[:seq], sin[:seq]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
@@ -136,20 +139,34 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        seq = tokens.shape[1]
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
-        h = self.embed_tokens(tokens)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids to logits; a pipeline stage without the embedding takes hidden states, and one
+        without the output head returns them."""
+        cos, sin = self.rope_cos, self.rope_sin
+        h = self.embed_tokens(x) if self.embed_tokens is not None else x
         for layer in self.layers.values():
             if self.activation_checkpointing and torch.is_grad_enabled():
                 h = checkpoint(layer, h, cos, sin, use_reentrant=False)
             else:
                 h = layer(h, cos, sin)
+        if self.lm_head is None:
+            return h
         return self.lm_head(self.norm(h))
+
+    def keep_only(self, layer_ids: range, *, embedding: bool, head: bool) -> None:
+        """Drop everything a pipeline stage does not own. Kept layers keep their global index, so
+        parameter names (and checkpoints) are those of the whole model."""
+        for name in [n for n in self.layers if int(n) not in layer_ids]:
+            del self.layers[name]
+        if not embedding:
+            self.embed_tokens = None
+        if not head:
+            self.norm = None
+            self.lm_head = None
 
     def tie_weights(self) -> None:
         """Share the embedding with the output projection; again after ``to_empty``, which unties."""
-        if self.cfg.tie_word_embeddings:
+        if self.cfg.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
             self.lm_head.weight = self.embed_tokens.weight
 
     def reset_buffers(self) -> None:
@@ -157,6 +174,12 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(self.cfg, device=self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+
+
+def count_parameters(cfg: ModelConfig) -> int:
+    """Parameters of the whole model (tied weights once), without allocating them."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in Transformer(cfg).parameters())
 
 
 def init_std_for(name: str, cfg: ModelConfig) -> float | None:

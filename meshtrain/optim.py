@@ -20,10 +20,12 @@ from meshtrain.config import LRScheduleConfig, OptimizerConfig
 from meshtrain.mesh import ParallelMesh
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:
+def build_optimizer(parts: list[nn.Module], cfg: OptimizerConfig) -> torch.optim.AdamW:
+    """One AdamW over the model parts of this rank (several pipeline stages, or the whole model)."""
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        (no_decay if p.ndim < 2 else decay).append(p)  # norm weights are 1-D
+    for part in parts:
+        for p in part.parameters():
+            (no_decay if p.ndim < 2 else decay).append(p)  # norm weights are 1-D
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
 

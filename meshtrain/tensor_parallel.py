@@ -48,7 +48,10 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, sequence_p
     }
     if sp:
         top["norm"] = SequenceParallel()
-    parallelize_module(model, tp_mesh, top)
+    # A pipeline stage holds only some of these modules.
+    top = {name: style for name, style in top.items() if getattr(model, name) is not None}
+    if top:
+        parallelize_module(model, tp_mesh, top)
 
     for layer in model.layers.values():
         plan = {

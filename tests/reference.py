@@ -22,7 +22,7 @@ def reference_run(cfg: JobConfig) -> dict:
     dataset = PackedDataset(tokenize_corpus(cfg.data, build_tokenizer(cfg.data)), t.seq_len)
     stream = BatchStream(dataset, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size, dp_size=1,
                          dp_rank=0, shuffle=cfg.data.shuffle, seed=t.seed, num_workers=0)
-    optimizer = build_optimizer(model, cfg.optimizer)
+    optimizer = build_optimizer([model], cfg.optimizer)
     scheduler = build_lr_scheduler(optimizer, t.steps, cfg.lr_schedule)
     losses, grad_norms = [], []
     for _ in range(t.steps):

@@ -2,6 +2,7 @@
 mistakes ending in one clear message with exit status 2 and no traceback."""
 
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -41,6 +42,17 @@ def test_readme_main_job_shortened(tmp_path):
     assert resolved["parallel"]["tp"] == 2 and resolved["train"]["steps"] == 4  # the CLI override
 
 
+@pytest.mark.slow
+def test_readme_smoke_test_tp2_pp2_sp(tmp_path):
+    """REFERENCE's smoke test: 4 ranks, tp2 pp2 sp, 3 iterations, global batch 8, micro batch 1."""
+    proc = launch(4, "--config", "configs/smoke_tp2_pp2.yaml", "--train.run-dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "layout: TP2 PP2 DP1 CP1 EP1 [SP, 1F1B] (world 4)" in proc.stdout
+    assert proc.stderr.count("pipeline bubble") == 1  # the vpp=1 warning, once (rank 0)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 3 and all(math.isfinite(r["loss"]) for r in records)
+
+
 def test_help_lists_subcommands_and_options():
     top = meshtrain("--help")
     assert top.returncode == 0 and "train" in top.stdout
@@ -54,8 +66,8 @@ def test_dry_run_prints_the_layout_without_training():
     proc = meshtrain("train", "--config", "configs/smoke_tp2_pp2.yaml", "--train.dry-run", "True",
                      env={"WORLD_SIZE": "4"})
     assert proc.returncode == 0, proc.stderr
-    assert "layout: TP2 PP2 DP1 CP1 EP1 [SP] (world 4)" in proc.stdout
-    assert "grad_accum_steps = 8" in proc.stdout
+    assert "layout: TP2 PP2 DP1 CP1 EP1 [SP, 1F1B] (world 4)" in proc.stdout
+    assert "grad_accum_steps = 8" in proc.stdout and "stage_layers = (2, 2)" in proc.stdout
     assert "pipeline bubble" in proc.stderr  # pp without vpp is a warning
 
 
@@ -84,7 +96,11 @@ def test_bf16_with_a_peak_reports_mfu(tmp_path):
     (["--data.tokenizer", "/nonexistent/tokenizer.json"], {}, "data.tokenizer: no tokenizer file"),
     (["--config", "/nonexistent.yaml"], {}, "--config: no such file"),
     (["--model.vocab-size", "100"], {}, "model.vocab_size=100 is smaller than the tokenizer's vocabulary"),
-    (["--parallel.pp", "2", "--train.micro-batch-size", "1"], {"WORLD_SIZE": "2"}, "pipeline parallelism (issue #4)"),
+    (["--parallel.cp", "2"], {"WORLD_SIZE": "2"}, "context parallelism (issue #5)"),
+    (["--parallel.pp", "2", "--parallel.pp-schedule", "ZBVZeroBubble", "--train.micro-batch-size", "1"],
+     {"WORLD_SIZE": "2"}, "parallel.pp_schedule=ZBVZeroBubble places exactly two stages per rank"),
+    (["--parallel.pp", "2", "--parallel.pp-layers-per-stage", "1", "2"], {"WORLD_SIZE": "2"},
+     "must be non-negative counts summing to model.num_hidden_layers=4"),
     (["--train.seq-len", "4096"], {}, "exceeds model.max_position_embeddings"),
 ])
 def test_user_mistakes_are_one_clear_message(args, env, message, tmp_path):

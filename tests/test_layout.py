@@ -32,7 +32,9 @@ def test_grad_accumulation_from_global_micro_and_dp():
 
 def test_layout_line():
     lay = plan(4, {"tp": 2, "pp": 2, "sp": True}, train={"micro_batch_size": 1})
-    assert lay.describe().startswith("TP2 PP2 DP1 CP1 EP1 [SP]")
+    assert lay.describe().startswith("TP2 PP2 DP1 CP1 EP1 [SP, 1F1B]")
+    lay = plan(2, {"pp": 2, "vpp": 2}, {"num_hidden_layers": 4}, {"micro_batch_size": 1})
+    assert lay.describe() == "TP1 PP2 DP1 CP1 EP1 [VPP2, Interleaved1F1B] (world 2)"
     assert plan(8, {"dp_replicate": 2, "dp_shard": 4}, train={"micro_batch_size": 1}).describe() == "TP1 PP1 DP8 CP1 EP1 [HSDP 2x4] (world 8)"
 
 
@@ -59,6 +61,25 @@ def test_layout_line():
     (2, {"pp": 2, "vpp": 2}, {"num_hidden_layers": 4}, {"global_batch_size": 1, "micro_batch_size": 1},
      r"interleaved pipeline schedules need n_microbatches >= pp.*= 1 < pp=2"),
     (1, {}, {"max_position_embeddings": 16}, {"seq_len": 32}, r"seq_len=32 exceeds model.max_position_embeddings=16"),
+    # Pipeline stages and schedules (micro batch 1: 8 micro-batches unless stated).
+    (2, {"vpp": 2}, {}, {}, r"parallel.vpp=2 needs parallel.pp > 1"),
+    (2, {"pp": 2}, {"tie_word_embeddings": True}, {"micro_batch_size": 1}, r"tie_word_embeddings=true with parallel.pp > 1"),
+    (2, {"pp": 2, "pp_layers_per_stage": [1, 1, 0]}, {}, {"micro_batch_size": 1}, r"has 3 entries but there are pp\*vpp = 2\*1 = 2"),
+    (2, {"pp": 2, "pp_layers_per_stage": [2, 1]}, {}, {"micro_batch_size": 1}, r"summing to model.num_hidden_layers=2 \(they sum to 3\)"),
+    (2, {"pp": 2, "vpp": 2, "pp_layers_per_stage": [2, 0, 1, 1]}, {"num_hidden_layers": 4}, {"micro_batch_size": 1},
+     r"middle stage\(s\) \[1\] have no layers"),
+    (2, {"pp": 2, "vpp": 2, "pp_schedule": "1F1B"}, {"num_hidden_layers": 4}, {"micro_batch_size": 1},
+     r"pp_schedule=1F1B runs one stage per rank but parallel.vpp=2"),
+    (4, {"pp": 2, "vpp": 4, "pp_schedule": "ZBVZeroBubble"}, {"num_hidden_layers": 8}, {"micro_batch_size": 1},
+     r"ZBVZeroBubble places exactly two stages per rank in a V, so it needs parallel.vpp=2, not 4"),
+    (4, {"pp": 4}, {"num_hidden_layers": 4}, {"global_batch_size": 3, "micro_batch_size": 1},
+     r"1F1B needs n_microbatches >= pp, but global/\(micro\*dp\) = 3/\(1\*1\) = 3 < pp=4"),
+    (2, {"pp": 2, "vpp": 2}, {"num_hidden_layers": 4}, {"global_batch_size": 5, "micro_batch_size": 1},
+     r"Interleaved1F1B runs n_microbatches in rounds of pp: .* = 5 is not a multiple of 5//pp = 2 rounds"),
+    (2, {"pp": 2, "vpp": 2, "pp_schedule": "DualPipeV"}, {"num_hidden_layers": 4}, {"global_batch_size": 3, "micro_batch_size": 1},
+     r"DualPipeV needs n_microbatches >= pp\*vpp = 4 stages"),
+    (4, {"pp": 2, "vpp": 2, "pp_schedule": "ZBVZeroBubble", "fsdp_reshard_after_forward": "always"},
+     {"num_hidden_layers": 4}, {"micro_batch_size": 1}, r"fsdp_reshard_after_forward=always with parallel.pp_schedule=ZBVZeroBubble"),
 ])
 def test_bad_layouts_are_rejected_with_the_rule(world, parallel, model, train, message):
     with pytest.raises(ConfigError, match=message) as info:
@@ -85,3 +106,16 @@ def test_warnings_not_errors():
     assert any("pipeline bubble" in m and "vpp" in m for m in layout_warnings(lay, None))
     with pytest.warns(UserWarning, match="pipeline bubble"):
         plan_layout(tiny_config(parallel={"pp": 2}, train={"micro_batch_size": 1}), 4)
+
+
+def test_stage_layers_even_or_explicit():
+    assert plan(2, {"pp": 2}, {"num_hidden_layers": 4}, {"micro_batch_size": 1}).stage_layers == (2, 2)
+    lay = plan(2, {"pp": 2, "vpp": 2, "pp_layers_per_stage": [0, 2, 2, 0]}, {"num_hidden_layers": 4},
+               {"micro_batch_size": 1})
+    assert lay.stage_layers == (0, 2, 2, 0) and lay.pp_schedule == "Interleaved1F1B"
+
+
+def test_schedule_default_follows_vpp_and_a_useless_one_warns():
+    assert plan(2, {"pp": 2}, train={"micro_batch_size": 1}).pp_schedule == "1F1B"
+    with pytest.warns(UserWarning, match="pp_schedule=GPipe has no effect with pp=1"):
+        plan_layout(tiny_config(parallel={"pp_schedule": "GPipe"}), 2)

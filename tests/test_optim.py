@@ -28,7 +28,7 @@ def test_linear_and_constant():
 
 def test_scheduler_drives_the_optimizer_lr():
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2))
-    opt = build_optimizer(model, OptimizerConfig(lr=1.0, weight_decay=0.1))
+    opt = build_optimizer([model], OptimizerConfig(lr=1.0, weight_decay=0.1))
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     assert len(opt.param_groups[0]["params"]) == 1 and len(opt.param_groups[1]["params"]) == 3  # 1-D: no decay
     sched = build_lr_scheduler(opt, 4, LRScheduleConfig(warmup_steps=2, decay="linear", min_lr_ratio=0.0))
