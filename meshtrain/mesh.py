@@ -65,9 +65,14 @@ class Layout:
 
     def describe(self) -> str:
         sizes = {d: getattr(self, d) for d in DENSE_DIMS}
-        extras = ["SP" if self.sp else "", f"VPP{self.vpp}" if self.vpp > 1 else "",
-                  f"ETP{self.etp}" if self.etp > 1 else "", self.pp_schedule if self.pp > 1 else ""]
-        return describe_sizes(sizes, self.world_size, ep=self.ep, extras=[e for e in extras if e])
+        return describe_sizes(sizes, self.world_size, ep=self.ep,
+                              extras=layout_extras(self.sp, self.vpp, self.pp_schedule if self.pp > 1 else "", self.etp))
+
+
+def layout_extras(sp: bool, vpp: int, schedule: str, etp: int = 1) -> list[str]:
+    """The bracketed part of the layout line: what the dim sizes alone do not show."""
+    extras = ["SP" if sp else "", f"VPP{vpp}" if vpp > 1 else "", f"ETP{etp}" if etp > 1 else "", schedule]
+    return [e for e in extras if e]
 
 
 def describe_sizes(sizes: dict[str, int], world: int, ep: int = 1, extras: list[str] = ()) -> str:
@@ -300,11 +305,9 @@ class ParallelMesh:
 
     def describe(self, parallel: ParallelConfig) -> str:
         """The layout line; the config adds what is not a mesh dim (SP, virtual stages, schedule)."""
-        pp = self.size("pp")
-        extras = ["SP" if parallel.sp else "", f"VPP{parallel.vpp}" if parallel.vpp > 1 else "",
-                  resolve_schedule(parallel.pp_schedule, parallel.vpp) if pp > 1 else ""]
+        schedule = resolve_schedule(parallel.pp_schedule, parallel.vpp) if self.size("pp") > 1 else ""
         return describe_sizes({d: self.size(d) for d in DENSE_DIMS}, self.world.size(),
-                              extras=[e for e in extras if e])
+                              extras=layout_extras(parallel.sp, parallel.vpp, schedule))
 
 
 FLATTENED_DIMS = ("dp", "dp_shard_cp", "dp_cp", "fsdp")
