@@ -1,0 +1,26 @@
+"""The benchmarks run end to end (tiny sizes) and produce their tables, so they cannot rot.
+They assert what a run must produce, never how fast it was."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def test_pipeline_bubble_bench_measures_every_rank(tmp_path):
+    cmd = [sys.executable, str(ROOT / "bench" / "pipeline_bubble.py"), "--hidden", "64", "--layers", "4",
+           "--seq-len", "32", "--steps", "1", "--warmup", "1", "--microbatches", "4",
+           "--only", "1F1B", "ZBVZeroBubble", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "pipeline_bubble.json").read_text())
+    assert set(results) == {"1F1B", "ZBVZeroBubble"}
+    for result in results.values():
+        assert [r["rank"] for r in result["ranks"]] == [0, 1]
+        assert all(0 < r["busy_s"] <= r["step_s"] for r in result["ranks"])
+    assert "| 1F1B | 1 |" in (tmp_path / "pipeline_bubble.md").read_text()
