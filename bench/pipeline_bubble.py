@@ -25,15 +25,17 @@ import subprocess
 import sys
 import time
 
+from meshtrain.mesh import LOOPED_SCHEDULES, SINGLE_STAGE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SCHEDULES = [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("LoopedBFS", 2),
-             ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2), ("DualPipeV", 2)]
+SCHEDULES = [(name, 1) for name in SINGLE_STAGE_SCHEDULES] + [(name, 2) for name in LOOPED_SCHEDULES + V_SCHEDULES]
+"""Every schedule the trainer accepts; the multi-stage ones with two virtual stages per rank."""
 
 
 def theoretical_bubble(schedule: str, pp: int, vpp: int, m: int) -> str:
-    if schedule in ("GPipe", "1F1B"):
+    if schedule in SINGLE_STAGE_SCHEDULES:
         return f"{(pp - 1) / (m + pp - 1):.1%}"
-    if schedule in ("Interleaved1F1B", "LoopedBFS"):
+    if schedule not in SPLIT_BACKWARD_SCHEDULES:
         return f"{(pp - 1) / (vpp * m + pp - 1):.1%}"
     return f"~0 (ZB; interleaved bound {(pp - 1) / (vpp * m + pp - 1):.1%})"
 
