@@ -57,6 +57,9 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     init_std: float = 0.02
     """Std of the normal init; output projections use init_std / sqrt(2 * num_hidden_layers)."""
+    init_from_hf: str | None = None
+    """A Hugging Face model directory (config.json + *.safetensors): the architecture comes from its
+    config.json and each rank reads only its slices of the weights, for any layout."""
 
     @property
     def resolved_head_dim(self) -> int:
@@ -172,6 +175,30 @@ class TrainConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Training checkpoints (torch.distributed.checkpoint) and Hugging Face export."""
+
+    dir: str | None = None
+    """Where step-N checkpoints go; None means run_dir/checkpoints."""
+    interval: int = 0
+    """Save every this many steps, and at the last step; 0 saves nothing."""
+    keep_last: int = 3
+    """Complete checkpoints kept; older ones are deleted after a newer one is published. 0 keeps all."""
+    async_save: bool = False
+    """Write in a background thread while training goes on (torch's dcp.async_save); the next save
+    or the end of the run waits for it."""
+    resume: str = "auto"
+    """auto: continue from the newest complete checkpoint in dir, if any; never: start fresh; or the
+    path of a checkpoint (a step-N dir, or `meshtrain convert --to dcp` weights) to start from."""
+    export_hf: str | None = None
+    """After the last step, write the model here as Hugging Face safetensors + config.json."""
+    hf_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """dtype of exported weights; auto: the dtype of model.init_from_hf's checkpoint, else float32."""
+    hf_max_shard_gb: float = 5.0
+    """Largest exported safetensors file (transformers' default is 5 GB)."""
+
+
+@dataclass
 class LoggingConfig:
     log_every: int = 1
     progress: Literal["auto", "on", "off"] = "auto"
@@ -194,6 +221,7 @@ class JobConfig:
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 

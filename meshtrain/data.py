@@ -190,10 +190,14 @@ class BatchStream:
         return batches
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "loader": self.loader.state_dict()}
+        """The position, as global (epoch, step in epoch): the same samples whatever the dp size."""
+        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
+        if self.step_in_epoch == self.steps_per_epoch:
+            self.epoch, self.step_in_epoch = self.epoch + 1, 0
         self.sampler.set_epoch(self.epoch)
-        self.loader.load_state_dict(state["loader"])
+        # This rank's samples already taken this epoch; the sampler skips them on the next iter().
+        self.sampler.load_state_dict({"yielded": self.step_in_epoch * self.accum * self.loader.batch_size})
         self._it = None

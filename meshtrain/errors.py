@@ -20,3 +20,7 @@ class DataError(MeshtrainError):
 
 class TrainingError(MeshtrainError):
     """Training cannot go on (for example the loss became non-finite)."""
+
+
+class CheckpointError(MeshtrainError):
+    """A checkpoint or model directory is missing, incomplete, corrupted or does not match the run."""

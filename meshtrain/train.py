@@ -22,11 +22,14 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from meshtrain.checkpoint import Checkpointer
 from meshtrain.config import JobConfig, dump_yaml
 from meshtrain.data import BatchStream, PackedDataset, build_tokenizer, tokenize_corpus
 from meshtrain.data_parallel import apply_fsdp
 from meshtrain.distributed import Runtime, init_distributed, shutdown, world_size_from_env
 from meshtrain.errors import ConfigError, TrainingError
+from meshtrain.hf_adapter import read_hf_config, resolve_init_from_hf
+from meshtrain.hf_io import check_export_target, export_dtypes, load_hf_weights, save_hf, tokenizer_files
 from meshtrain.initialize import init_weights
 from meshtrain.mesh import (Layout, ParallelMesh, build_mesh, plan_layout, reshard_after_forward, resolve_schedule,
                             stage_layer_counts)
@@ -64,7 +67,8 @@ def build_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device, stage:
         model.forward = torch.autocast(device.type, dtype=torch.bfloat16)(model.forward)  # FSDP's policy casts otherwise
     model.to_empty(device=device)
     model.tie_weights()
-    init_weights(model, cfg.train.seed)
+    if cfg.model.init_from_hf is None:  # else the Trainer loads the weights into every part at once
+        init_weights(model, cfg.train.seed)
     return model
 
 
@@ -104,9 +108,19 @@ class Trainer:
         else:
             self.parts = [build_model(cfg, mesh, runtime.device)]
         self.params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.parts, cfg.optimizer)
-        self.scheduler = build_lr_scheduler(self.optimizer, t.steps, cfg.lr_schedule)
+        # One optimizer per part: torch's optimizer state dicts are per (module, optimizer) pair.
+        self.optimizers = [build_optimizer([part], cfg.optimizer) for part in self.parts]
+        self.schedulers = [build_lr_scheduler(opt, t.steps, cfg.lr_schedule) for opt in self.optimizers]
         self.step = 0
+        if cfg.model.init_from_hf is not None:
+            load_hf_weights(self.parts, cfg.model.init_from_hf)
+
+        ckpt = cfg.checkpoint
+        self.checkpointer = Checkpointer(ckpt, pathlib.Path(ckpt.dir or self.run_dir / "checkpoints"), self,
+                                         layout=mesh.describe(cfg.parallel))
+        self.resumed_from = self.checkpointer.resume_path()
+        if self.resumed_from is not None:
+            self.step = self.checkpointer.restore(self.resumed_from)
 
         self.loss_parallel = mesh.size("tp") > 1 and cfg.parallel.loss_parallel
         num_params = count_parameters(cfg.model)
@@ -145,10 +159,11 @@ class Trainer:
             raise TrainingError(f"the gradient norm became {grad_norm} at step {self.step} (loss {loss_value:.4f}); "
                                 "training stopped before the optimizer step. Fix: lower optimizer.lr or "
                                 "raise lr_schedule.warmup_steps")
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.schedulers[0].get_last_lr()[0]
+        for opt, sched in zip(self.optimizers, self.schedulers):
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
@@ -168,15 +183,33 @@ class Trainer:
                     f"{self.flops_per_token / 1e6:.1f} MFLOP/token; grad accumulation "
                     f"{self.stream.accum} x micro batch {cfg.train.micro_batch_size}; "
                     f"{self.stream.steps_per_epoch} steps per epoch")
+        if self.resumed_from is not None:
+            logger.info(f"resumed from {self.resumed_from} at step {self.step}")
         history = []
         try:
             while self.step < cfg.train.steps:
                 metrics = self.train_step()
                 history.append(metrics)
                 logger.log(self.step, metrics)
+                if self.checkpointer.should_save(self.step):
+                    path = self.checkpointer.save(self.step)
+                    logger.info(f"checkpoint {path} ({'writing in the background' if cfg.checkpoint.async_save else 'saved'})")
+            self.checkpointer.wait()
+            if cfg.checkpoint.export_hf:
+                out = self.export_hf(cfg.checkpoint.export_hf)
+                logger.info(f"exported Hugging Face model to {out}")
         finally:
             logger.close()
         return history
+
+    def export_hf(self, directory: str) -> pathlib.Path:
+        cfg, source = self.cfg, self.cfg.model.init_from_hf
+        extra = tokenizer_files(source)
+        if not extra and cfg.data.tokenizer.endswith(".json"):
+            extra = [pathlib.Path(cfg.data.tokenizer)]
+        return save_hf(self.parts, directory, export_dtypes(cfg.model, cfg.checkpoint.hf_dtype),
+                       max_shard_bytes=int(cfg.checkpoint.hf_max_shard_gb * 1e9),
+                       base_config=read_hf_config(source) if source else None, extra_files=extra)
 
 
 def prepare_run_dir(cfg: JobConfig, runtime: Runtime) -> None:
@@ -184,6 +217,16 @@ def prepare_run_dir(cfg: JobConfig, runtime: Runtime) -> None:
         run_dir = pathlib.Path(cfg.train.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+
+
+def resolve(cfg: JobConfig) -> JobConfig:
+    """The config as the job will run it: with model.init_from_hf, the architecture of its config.json.
+    Checks what can fail late (the export target) before any work starts."""
+    if cfg.model.init_from_hf is not None:
+        cfg = dataclasses.replace(cfg, model=resolve_init_from_hf(cfg.model))
+    if cfg.checkpoint.export_hf:
+        check_export_target(cfg.checkpoint.export_hf)
+    return cfg
 
 
 def plan(cfg: JobConfig) -> Layout:
@@ -197,7 +240,7 @@ def plan(cfg: JobConfig) -> Layout:
 
 
 def dry_run(cfg: JobConfig) -> Layout:
-    layout = plan(cfg)
+    layout = plan(resolve(cfg))
     print(f"layout: {layout.describe()}")
     for f in dataclasses.fields(layout):
         print(f"  {f.name} = {getattr(layout, f.name)}")
@@ -207,6 +250,7 @@ def dry_run(cfg: JobConfig) -> Layout:
 
 def run(cfg: JobConfig) -> list[dict[str, float]]:
     """Train with ``cfg`` in this process (one rank of a torchrun job, or a world of one)."""
+    cfg = resolve(cfg)
     layout = plan(cfg)
     check_runnable(layout)
     runtime = init_distributed(cfg.parallel.timeout_s)

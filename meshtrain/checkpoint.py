@@ -1,0 +1,244 @@
+"""Training checkpoints with torch.distributed.checkpoint: atomic, keep-last-k, async, resharding.
+
+A checkpoint is a directory ``step-000120/`` under ``checkpoint.dir``: DCP's files plus
+``meshtrain.json`` (step, architecture, layout, data position, lr schedule). It is written as
+``step-000120.incomplete/`` and renamed by rank 0 once every rank's data and DCP's metadata are
+on disk, so a crash mid-save leaves an ``.incomplete`` directory that resume never picks (and the
+next save of that step clears), while the previous checkpoint stays loadable.
+
+Model and optimizer state are keyed by global parameter name and keep their DTensor placements
+(the optimizer's in torch's flattened form, one entry per parameter), so DCP reshards them for
+any other layout on load. The data position is (epoch, step in epoch), the same samples for any
+dp size. The RNG states are per rank and come back only under the same world size; nothing in
+training draws random numbers today, so a resharded resume loses nothing by it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import re
+import shutil
+from concurrent.futures import Future
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+
+from meshtrain.config import CheckpointConfig, ModelConfig
+from meshtrain.errors import CheckpointError
+from meshtrain.hf_adapter import architecture_fields
+
+META = "meshtrain.json"
+INCOMPLETE = ".incomplete"
+FORMAT_VERSION = 1
+STEP_DIR = re.compile(r"step-(\d+)$")
+OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def complete_checkpoints(root: pathlib.Path) -> list[tuple[int, pathlib.Path]]:
+    """Published checkpoints under ``root``, oldest first (``.incomplete`` ones are not)."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and (p / META).is_file()]
+    return sorted(found)
+
+
+def read_meta(path: pathlib.Path) -> dict:
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint directory (checkpoint.resume)")
+    meta_path = path / META
+    if not meta_path.is_file():
+        hint = " (an interrupted save)" if path.name.endswith(INCOMPLETE) else ""
+        raise CheckpointError(f"{path}: not a complete meshtrain checkpoint, {META} is missing{hint}. "
+                              "Fix: point checkpoint.resume at a published step-N directory")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{meta_path}: not valid JSON ({e})") from None
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{meta_path}: format {meta.get('format')!r}, this meshtrain reads {FORMAT_VERSION}")
+    return meta
+
+
+def check_architecture(meta: dict, model: ModelConfig, where: pathlib.Path) -> None:
+    saved = meta["model"]
+    for name, mine in architecture_fields(model).items():
+        if saved.get(name) != mine:
+            raise CheckpointError(f"{where}: written for model.{name}={saved.get(name)!r}, this run has "
+                                  f"model.{name}={mine!r}. Fix: use the checkpoint's model settings or "
+                                  "checkpoint.resume=never")
+
+
+def model_state(parts: list[nn.Module]) -> dict:
+    state = {}
+    for part in parts:
+        state.update(get_model_state_dict(part))
+    return state
+
+
+def optimizer_state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict:
+    state = {}
+    for part, opt in zip(parts, optimizers):
+        state.update(get_optimizer_state_dict(part, opt, options=OPTIM_OPTIONS))
+    return state
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _load(state: dict, parts: list[nn.Module], path: pathlib.Path) -> None:
+    """dcp.load into ``state`` (which holds the parts' own tensors), then hand it to the parts."""
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except CheckpointException as e:
+        first = next(iter(e.failures.values()), e)
+        detail = str(first).strip().splitlines()[-1] if str(first).strip() else ""
+        raise CheckpointError(f"{path}: could not be read: truncated, corrupted or written for another model "
+                              f"({type(first).__name__}: {detail})") from None
+    for part in parts:  # strict=False: ``state`` holds every part of this rank
+        set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
+        part.reset_buffers()
+
+
+class Checkpointer:
+    """Saves and restores a Trainer's state. Every rank calls every method."""
+
+    def __init__(self, cfg: CheckpointConfig, root: pathlib.Path, trainer, *, layout: str):
+        self.cfg, self.root, self.trainer, self.layout = cfg, root, trainer, layout
+        self.is_main = not dist.is_initialized() or dist.get_rank() == 0
+        self.pending: tuple[Future, pathlib.Path, pathlib.Path] | None = None
+        # Async saves run collectives from a background thread: a group of their own (gloo, since
+        # the staged copy lives in CPU memory) keeps them apart from training's.
+        self.async_group = dist.new_group(backend="gloo") if cfg.async_save and dist.is_initialized() else None
+
+    # --- save ------------------------------------------------------------------------------
+    def _state(self, with_optimizer: bool) -> dict:
+        t = self.trainer
+        state = {"model": model_state(t.parts)}
+        if with_optimizer:
+            state["optimizer"] = optimizer_state(t.parts, t.optimizers)
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            state[f"rng_rank{rank}"] = torch.get_rng_state()
+        return state
+
+    def _meta(self, step: int) -> dict:
+        t = self.trainer
+        return {"format": FORMAT_VERSION, "kind": "train", "step": step,
+                "model": architecture_fields(t.cfg.model), "layout": self.layout,
+                "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                "data": t.stream.state_dict(), "lr_scheduler": t.schedulers[0].state_dict()}
+
+    def should_save(self, step: int) -> bool:
+        every = self.cfg.interval
+        return every > 0 and (step % every == 0 or step == self.trainer.cfg.train.steps)
+
+    def save(self, step: int) -> pathlib.Path:
+        self.wait()  # one save in flight at a time
+        final = self.root / step_dir_name(step)
+        tmp = final.with_name(final.name + INCOMPLETE)
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _barrier()
+        state, meta = self._state(with_optimizer=True), self._meta(step)
+        if self.cfg.async_save:
+            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.async_group)
+            self.pending = (future, tmp, final, meta)
+        else:
+            dcp.save(state, checkpoint_id=str(tmp))
+            self._publish(tmp, final, meta)
+        return final
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            future, tmp, final, meta = self.pending
+            self.pending = None
+            future.result()  # on rank 0 this returns after DCP's metadata is written: all ranks are done
+            self._publish(tmp, final, meta)
+
+    def _publish(self, tmp: pathlib.Path, final: pathlib.Path, meta: dict) -> None:
+        if not self.is_main:
+            return
+        (tmp / META).write_text(json.dumps(meta, indent=1))
+        shutil.rmtree(final, ignore_errors=True)  # an older save of the same step
+        tmp.rename(final)
+        if self.cfg.keep_last > 0:
+            for _, old in complete_checkpoints(self.root)[:-self.cfg.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+
+    # --- restore ---------------------------------------------------------------------------
+    def resume_path(self) -> pathlib.Path | None:
+        choice = self.cfg.resume
+        if choice == "never":
+            return None
+        if choice == "auto":
+            found = complete_checkpoints(self.root)
+            return found[-1][1] if found else None
+        return pathlib.Path(choice)
+
+    def restore(self, path: pathlib.Path) -> int:
+        """Load ``path`` into the trainer; returns the step to continue from (0 for weights only)."""
+        t = self.trainer
+        meta = read_meta(path)
+        check_architecture(meta, t.cfg.model, path)
+        full = meta["kind"] == "train"
+        same_world = meta.get("world_size") == (dist.get_world_size() if dist.is_initialized() else 1)
+        state = self._state(with_optimizer=full)
+        if full and not same_world:
+            state = {k: v for k, v in state.items() if not k.startswith("rng_rank")}
+        _load(state, t.parts, path)
+        if not full:
+            return 0
+        for part, opt in zip(t.parts, t.optimizers):
+            set_optimizer_state_dict(part, opt, state["optimizer"], options=OPTIM_OPTIONS)
+        for sched in t.schedulers:
+            sched.load_state_dict(meta["lr_scheduler"])
+        t.stream.load_state_dict(meta["data"])
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if same_world:
+            torch.set_rng_state(state[f"rng_rank{rank}"])
+        return meta["step"]
+
+
+def save_weights(parts: list[nn.Module], model: ModelConfig, directory: pathlib.Path, *, source: str) -> None:
+    """A weights-only checkpoint (what ``meshtrain convert --to dcp`` writes), atomically."""
+    tmp = directory.with_name(directory.name + INCOMPLETE)
+    is_main = not dist.is_initialized() or dist.get_rank() == 0
+    if is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    dcp.save({"model": model_state(parts)}, checkpoint_id=str(tmp))
+    if is_main:
+        meta = {"format": FORMAT_VERSION, "kind": "weights", "step": 0, "model": architecture_fields(model),
+                "source": source, "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+        (tmp / META).write_text(json.dumps(meta, indent=1))
+        tmp.rename(directory)
+    _barrier()
+
+
+def load_weights(parts: list[nn.Module], path: pathlib.Path) -> dict:
+    """Fill model parts from any meshtrain checkpoint (training or weights-only); returns its meta."""
+    meta = read_meta(path)
+    check_architecture(meta, parts[0].cfg, path)
+    _load({"model": model_state(parts)}, parts, path)
+    return meta
+
+
+def model_config_of(path: pathlib.Path) -> ModelConfig:
+    """The architecture a checkpoint was written for (for tools that start from the checkpoint)."""
+    from meshtrain.config import from_dict
+
+    return from_dict(ModelConfig, read_meta(path)["model"])

@@ -1,0 +1,212 @@
+"""Where Hugging Face names map: parameter names and config.json, both ways, per family.
+
+meshtrain's module names are HF's without the ``model.`` prefix, and its RoPE is HF's rotate-half
+layout, so the dense families (Llama, Qwen3) map by a rename and need no q/k permutation. The
+adapters work on name -> tensor dicts rather than on single names so that the MoE families (#6)
+can split and stack per-expert tensors here without changing their callers.
+
+config.json is read in both spellings transformers has used (``rope_parameters`` in 5.x,
+``rope_theta`` + ``rope_scaling`` before) and written in the 5.x one. A setting meshtrain's model
+does not implement (biases, sliding windows, another activation or RoPE type) is an error naming
+the key, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any, TypeVar
+
+import torch
+
+from meshtrain.config import ModelConfig, RopeScalingConfig
+from meshtrain.errors import CheckpointError
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+FAMILY_OF_ARCHITECTURE = {arch: family for family, arch in ARCHITECTURES.items()}
+# Recognised, but their model lands with the MoE issue; named so the error can say so.
+LATER_ARCHITECTURES = {"Qwen3MoeForCausalLM": "Qwen3-MoE", "MixtralForCausalLM": "Mixtral"}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+T = TypeVar("T")
+LM_HEAD = "lm_head.weight"
+
+
+def to_hf_name(name: str) -> str:
+    return name if name == LM_HEAD else f"model.{name}"
+
+
+def from_hf_name(key: str) -> str:
+    if key == LM_HEAD:
+        return key
+    if not key.startswith("model."):
+        raise KeyError(key)
+    return key.removeprefix("model.")
+
+
+def to_hf(state_dict: dict[str, T], cfg: ModelConfig) -> dict[str, T]:
+    """meshtrain names -> HF names. A tied output projection is not written (HF omits it too)."""
+    return {to_hf_name(n): v for n, v in state_dict.items() if not (cfg.tie_word_embeddings and n == LM_HEAD)}
+
+
+def from_hf(hf_state_dict: dict[str, T], cfg: ModelConfig) -> dict[str, T]:
+    return {from_hf_name(k): v for k, v in hf_state_dict.items()}
+
+
+def hf_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
+    """Every HF key of the whole model and its shape, in module order, computed on the meta device."""
+    from meshtrain.model import Transformer  # the model imports config only; keep this module light
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    return to_hf({n: p.shape for n, p in model.named_parameters()}, cfg)
+
+
+# --- config.json ------------------------------------------------------------------------------
+
+def _require(hf: dict, key: str, expected: Any, where: str) -> None:
+    value = hf.get(key, expected)
+    if value != expected:
+        raise CheckpointError(f"{where}: {key}={value!r} is not supported (meshtrain's model implements "
+                              f"{key}={expected!r}); this checkpoint cannot be trained faithfully")
+
+
+def _field(hf: dict, key: str, where: str) -> Any:
+    if key not in hf:
+        raise CheckpointError(f"{where}: required key {key!r} is missing")
+    return hf[key]
+
+
+def _rope_from_hf(hf: dict, where: str) -> tuple[float, RopeScalingConfig]:
+    params = hf.get("rope_parameters") or {}
+    legacy = hf.get("rope_scaling") or {}
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    scaling = params if params.get("rope_type", "default") != "default" else legacy
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return float(theta), RopeScalingConfig()
+    if kind != "llama3":
+        raise CheckpointError(f"{where}: rope_type {kind!r} is not supported (meshtrain implements 'default' "
+                              "and 'llama3')")
+    defaults = RopeScalingConfig()
+    return float(theta), RopeScalingConfig(
+        type="llama3", factor=float(scaling.get("factor", defaults.factor)),
+        low_freq_factor=float(scaling.get("low_freq_factor", defaults.low_freq_factor)),
+        high_freq_factor=float(scaling.get("high_freq_factor", defaults.high_freq_factor)),
+        original_max_position_embeddings=int(scaling.get("original_max_position_embeddings",
+                                                         defaults.original_max_position_embeddings)))
+
+
+def model_config_from_hf(hf: dict, where: str = "config.json") -> tuple[ModelConfig, torch.dtype | None]:
+    """A transformers config.json (as a dict) -> meshtrain's ModelConfig and the checkpoint dtype."""
+    archs = hf.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch in LATER_ARCHITECTURES:
+        raise CheckpointError(f"{where}: {arch} ({LATER_ARCHITECTURES[arch]}) needs the MoE model, which is not "
+                              "in this version (issue #6); supported: " + ", ".join(FAMILY_OF_ARCHITECTURE))
+    if arch not in FAMILY_OF_ARCHITECTURE:
+        raise CheckpointError(f"{where}: architectures={archs!r} is not supported; supported: "
+                              + ", ".join(FAMILY_OF_ARCHITECTURE))
+    family = FAMILY_OF_ARCHITECTURE[arch]
+    _require(hf, "hidden_act", "silu", where)
+    _require(hf, "attention_bias", False, where)
+    _require(hf, "mlp_bias", False, where)
+    if family == "qwen3":
+        _require(hf, "use_sliding_window", False, where)
+    theta, scaling = _rope_from_hf(hf, where)
+    hidden, heads = _field(hf, "hidden_size", where), _field(hf, "num_attention_heads", where)
+    head_dim = hf.get("head_dim")
+    cfg = ModelConfig(
+        family=family,
+        vocab_size=_field(hf, "vocab_size", where),
+        hidden_size=hidden,
+        intermediate_size=_field(hf, "intermediate_size", where),
+        num_hidden_layers=_field(hf, "num_hidden_layers", where),
+        num_attention_heads=heads,
+        num_key_value_heads=hf.get("num_key_value_heads") or heads,
+        # None where it is the default hidden/heads, so configs compare equal however they spell it.
+        head_dim=head_dim if head_dim not in (None, hidden // heads) else None,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=_field(hf, "max_position_embeddings", where),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        init_std=float(hf.get("initializer_range", ModelConfig.init_std)),
+    )
+    dtype_name = hf.get("dtype") or hf.get("torch_dtype")
+    if dtype_name is not None and dtype_name not in DTYPES:
+        raise CheckpointError(f"{where}: dtype {dtype_name!r} is not supported; supported: {', '.join(DTYPES)}")
+    return cfg, DTYPES.get(dtype_name)
+
+
+def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype, base: dict | None = None) -> dict:
+    """meshtrain's ModelConfig -> a transformers 5 config.json dict. ``base`` (the config.json the
+    weights came from) contributes what meshtrain does not model, such as token ids."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling.type == "llama3":
+        s = cfg.rope_scaling
+        rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": s.factor,
+                "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_position_embeddings}
+    ours = {
+        "architectures": [ARCHITECTURES[cfg.family]],
+        "model_type": cfg.family,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.resolved_head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": rope,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": False,
+        "initializer_range": cfg.init_std,
+        "dtype": DTYPE_NAMES[dtype],
+    }
+    if cfg.family == "llama":
+        ours["mlp_bias"] = False
+    else:
+        ours["use_sliding_window"] = False
+    legacy = {"rope_theta", "rope_scaling", "torch_dtype", "transformers_version", "_name_or_path"}
+    kept = {k: v for k, v in (base or {}).items() if k not in legacy and k not in ours}
+    return {**kept, **ours}
+
+
+def read_hf_config(directory: str | pathlib.Path) -> dict:
+    path = pathlib.Path(directory) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file; a Hugging Face model directory holds config.json "
+                              "beside its *.safetensors")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data
+
+
+def architecture_fields(cfg: ModelConfig) -> dict[str, Any]:
+    """The ModelConfig fields that define the weights (what a checkpoint must agree on), as JSON values."""
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("init_from_hf", "init_std")}
+
+
+def resolve_init_from_hf(model: ModelConfig) -> ModelConfig:
+    """The ModelConfig of ``model.init_from_hf``'s config.json. A field the user set to something
+    else than both the default and the checkpoint is an error: the weights decide the architecture."""
+    directory = model.init_from_hf
+    where = str(pathlib.Path(directory) / "config.json")
+    loaded, _ = model_config_from_hf(read_hf_config(directory), where)
+    mine, default = architecture_fields(model), architecture_fields(ModelConfig())
+    for name, theirs in architecture_fields(loaded).items():
+        if mine[name] != default[name] and mine[name] != theirs:
+            raise CheckpointError(f"model.{name}={mine[name]!r} but {where} says {theirs!r}; with model.init_from_hf "
+                                  f"the architecture comes from the checkpoint. Fix: drop the model.{name} setting")
+    return dataclasses.replace(loaded, init_from_hf=directory)

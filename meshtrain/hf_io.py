@@ -1,0 +1,192 @@
+"""Hugging Face safetensors into and out of any layout, through DCP's HuggingFaceStorage{Reader,Writer}.
+
+Import: every rank asks ``dcp.load`` for exactly the slices its DTensor shards cover, and the reader
+reads only those slices (``safe_open(...).get_slice``), so no rank materialises the model. Values
+are cast to the parameter dtype on the way in (bf16 -> fp32 master weights is exact).
+Export: every rank writes its own shards (DCP keeps one copy of replicated tensors), then the
+coordinator consolidates them into ``model-0000K-of-0000N.safetensors`` and
+``model.safetensors.index.json`` one tensor at a time, so the extra memory is one tensor, not the
+model. Nothing is written under the final name until it is complete: the export goes to
+``NAME.incomplete`` and is renamed at the end.
+
+Both directions check the directory first, identically on every rank, so a bad input ends every
+rank with the same message (naming the file and key) instead of a hang or an assertion from torch.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import pathlib
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError, safe_open
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+
+from meshtrain.config import ModelConfig
+from meshtrain.errors import CheckpointError
+from meshtrain.hf_adapter import DTYPES, hf_config_from_model, hf_shapes, to_hf
+from meshtrain.model import Transformer
+
+INDEX = "model.safetensors.index.json"
+INCOMPLETE = ".incomplete"
+# Copied beside an export when the weights came with them.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "generation_config.json")
+
+
+def _shorten(keys, n: int = 4) -> str:
+    keys = sorted(keys)
+    return ", ".join(keys[:n]) + (f" and {len(keys) - n} more" if len(keys) > n else "")
+
+
+def inspect_hf_dir(directory: str | pathlib.Path, expected: dict[str, torch.Size]) -> dict[str, torch.dtype]:
+    """Check that ``directory`` holds exactly the tensors ``expected`` (HF key -> shape), readable;
+    returns each key's stored dtype. Reads the safetensors headers only."""
+    root = pathlib.Path(directory)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: no such directory (model.init_from_hf / the conversion source)")
+    files = sorted(p.name for p in root.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{root}: holds no *.safetensors files")
+    index_path = root / INDEX
+    weight_map: dict[str, str] | None = None
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index_path}: not a valid safetensors index ({e!r})") from None
+        listed = set(weight_map.values())
+        if missing := listed - set(files):
+            raise CheckpointError(f"{index_path} names files that are not there: {_shorten(missing)} "
+                                  "(an incomplete download?)")
+        if extra := set(files) - listed:
+            raise CheckpointError(f"{root}: {_shorten(extra)} not in {INDEX}; all *.safetensors files are "
+                                  "read, so move the extra ones out of the directory")
+    elif len(files) > 1:
+        raise CheckpointError(f"{root}: {len(files)} safetensors files but no {INDEX}")
+
+    found: dict[str, tuple[str, torch.Size, torch.dtype]] = {}
+    for name in files:
+        try:
+            with safe_open(str(root / name), framework="pt") as f:
+                for key in f.keys():
+                    view = f.get_slice(key)
+                    if key in found:
+                        raise CheckpointError(f"{root}: tensor {key!r} is in both {found[key][0]} and {name}")
+                    found[key] = (name, torch.Size(view.get_shape()), getattr(torch, _TORCH_DTYPE[view.get_dtype()]))
+        except SafetensorError as e:
+            raise CheckpointError(f"{root / name}: not a readable safetensors file, truncated or corrupted ({e})") \
+                from None
+        except KeyError as e:
+            raise CheckpointError(f"{root / name}: unsupported tensor dtype {e}") from None
+    if weight_map is not None:
+        wrong = {k for k, f in weight_map.items() if k not in found or found[k][0] != f}
+        if wrong:
+            raise CheckpointError(f"{index_path} does not match the files for {_shorten(wrong)}")
+    if missing := set(expected) - set(found):
+        raise CheckpointError(f"{root}: missing tensors {_shorten(missing)} (config.json describes a model "
+                              "these files do not hold)")
+    if unexpected := set(found) - set(expected):
+        raise CheckpointError(f"{root}: unexpected tensors {_shorten(unexpected)} (in "
+                              f"{found[min(unexpected)][0]}); meshtrain's model has no such parameter")
+    for key, shape in expected.items():
+        if found[key][1] != shape:
+            raise CheckpointError(f"{root / found[key][0]}: {key} has shape {list(found[key][1])}, "
+                                  f"config.json implies {list(shape)}")
+    return {key: dtype for key, (_, _, dtype) in found.items()}
+
+
+_TORCH_DTYPE = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+
+
+@torch.no_grad()
+def load_hf_weights(parts: list[Transformer], directory: str) -> None:
+    """Fill this rank's model parts (any layout) from a Hugging Face directory."""
+    cfg = parts[0].cfg
+    inspect_hf_dir(directory, hf_shapes(cfg))
+    for part in parts:  # the same number of parts on every rank, so the collectives pair up
+        state = to_hf({n: p.detach() for n, p in part.named_parameters()}, cfg)
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(directory))
+        part.reset_buffers()
+
+
+def shard_plan(shapes: dict[str, torch.Size], dtypes: dict[str, torch.dtype], max_shard_bytes: int) -> dict[str, int]:
+    """HF key -> file number (1-based): keys in module order, a new file when one would overflow."""
+    plan, index, used = {}, 1, 0
+    for key, shape in shapes.items():
+        size = math.prod(shape) * dtypes[key].itemsize
+        if used and used + size > max_shard_bytes:
+            index, used = index + 1, 0
+        plan[key] = index
+        used += size
+    return plan
+
+
+def _is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def check_export_target(directory: str | pathlib.Path) -> pathlib.Path:
+    out = pathlib.Path(directory)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"{out}: already exists and is not empty; an export never overwrites. "
+                              "Fix: name a new directory or remove this one")
+    return out
+
+
+@torch.no_grad()
+def save_hf(parts: list[Transformer], directory: str, dtypes: dict[str, torch.dtype], *, max_shard_bytes: int,
+            base_config: dict | None = None, extra_files: list[pathlib.Path] = ()) -> pathlib.Path:
+    """Write this job's model (every rank calls this with its parts) as a Hugging Face directory.
+    ``dtypes``: HF key -> stored dtype (``export_dtypes``)."""
+    cfg: ModelConfig = parts[0].cfg
+    out = check_export_target(directory)
+    tmp = out.with_name(out.name + INCOMPLETE)
+    if _is_main():
+        shutil.rmtree(tmp, ignore_errors=True)  # left by an export that crashed
+        tmp.mkdir(parents=True)
+    _barrier()
+    plan = shard_plan(hf_shapes(cfg), dtypes, max_shard_bytes)
+    state = {}
+    for part in parts:
+        state.update({k: p.detach().to(dtypes[k]) for k, p in to_hf(dict(part.named_parameters()), cfg).items()})
+    dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(tmp), fqn_to_index_mapping=plan,
+                                                            save_distributed=True, enable_consolidation=True))
+    if _is_main():
+        shutil.rmtree(tmp / "sharded")  # the per-rank pieces, now consolidated
+        dtype = collections.Counter(dtypes.values()).most_common(1)[0][0]
+        (tmp / "config.json").write_text(json.dumps(hf_config_from_model(cfg, dtype, base_config), indent=2) + "\n")
+        for f in extra_files:
+            shutil.copy2(f, tmp / f.name)
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        tmp.rename(out)
+    _barrier()
+    return out
+
+
+def tokenizer_files(directory: str | None) -> list[pathlib.Path]:
+    if directory is None:
+        return []
+    return [p for name in TOKENIZER_FILES if (p := pathlib.Path(directory) / name).is_file()]
+
+
+def export_dtypes(cfg: ModelConfig, choice: str) -> dict[str, torch.dtype]:
+    """The stored dtype of every exported tensor. ``auto`` keeps each tensor's dtype in
+    ``cfg.init_from_hf`` (so a round trip is bit-exact) and is float32 for a model trained from scratch."""
+    shapes = hf_shapes(cfg)
+    if choice != "auto":
+        return dict.fromkeys(shapes, DTYPES[choice])
+    if cfg.init_from_hf is None:
+        return dict.fromkeys(shapes, torch.float32)
+    return inspect_hf_dir(cfg.init_from_hf, shapes)
