@@ -118,6 +118,7 @@ class Checkpointer:
     def __init__(self, cfg: CheckpointConfig, root: pathlib.Path, trainer, *, layout: str):
         self.cfg, self.root, self.trainer, self.layout = cfg, root, trainer, layout
         self.is_main = not dist.is_initialized() or dist.get_rank() == 0
+        self.hf_origin = hf_origin_of(trainer.cfg.model)
         self.pending: tuple[Future, pathlib.Path, pathlib.Path] | None = None
         # Async saves run collectives from a background thread: a group of their own (gloo, since
         # the staged copy lives in CPU memory) keeps them apart from training's.
@@ -138,7 +139,8 @@ class Checkpointer:
         return {"format": FORMAT_VERSION, "kind": "train", "step": step,
                 "model": architecture_fields(t.cfg.model), "layout": self.layout,
                 "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                "data": t.stream.state_dict(), "lr_scheduler": t.schedulers[0].state_dict()}
+                "data": t.stream.state_dict(), "lr_scheduler": t.schedulers[0].state_dict(),
+                **self.hf_origin}
 
     def should_save(self, step: int) -> bool:
         every = self.cfg.interval
@@ -212,8 +214,11 @@ class Checkpointer:
         return meta["step"]
 
 
-def save_weights(parts: list[nn.Module], model: ModelConfig, directory: pathlib.Path, *, source: str) -> None:
-    """A weights-only checkpoint (what ``meshtrain convert --to dcp`` writes), atomically."""
+def save_weights(parts: list[nn.Module], model: ModelConfig, directory: pathlib.Path, *, source: str,
+                 hf_origin: dict | None = None, extra_files: list[pathlib.Path] = ()) -> None:
+    """A weights-only checkpoint (what ``meshtrain convert --to dcp`` writes), atomically.
+    ``hf_origin`` (``hf_origin_of``) and ``extra_files`` (tokenizer files) let a later export give
+    back the Hugging Face directory the weights came from."""
     tmp = directory.with_name(directory.name + INCOMPLETE)
     is_main = not dist.is_initialized() or dist.get_rank() == 0
     if is_main:
@@ -223,8 +228,13 @@ def save_weights(parts: list[nn.Module], model: ModelConfig, directory: pathlib.
     dcp.save({"model": model_state(parts)}, checkpoint_id=str(tmp))
     if is_main:
         meta = {"format": FORMAT_VERSION, "kind": "weights", "step": 0, "model": architecture_fields(model),
-                "source": source, "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+                "source": source, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                **(hf_origin or {})}
+        for f in extra_files:
+            shutil.copy2(f, tmp / f.name)
         (tmp / META).write_text(json.dumps(meta, indent=1))
+        if directory.exists():
+            directory.rmdir()  # empty: the caller checked
         tmp.rename(directory)
     _barrier()
 
@@ -235,6 +245,17 @@ def load_weights(parts: list[nn.Module], path: pathlib.Path) -> dict:
     check_architecture(meta, parts[0].cfg, path)
     _load({"model": model_state(parts)}, parts, path)
     return meta
+
+
+def hf_origin_of(model: ModelConfig) -> dict:
+    """What a checkpoint keeps of the Hugging Face model it started from (``model.init_from_hf``):
+    each tensor's dtype and the config.json, so that an export from it gives back the same files."""
+    if model.init_from_hf is None:
+        return {}
+    from meshtrain.hf_adapter import read_hf_config
+    from meshtrain.hf_io import dtype_names, export_dtypes
+
+    return {"hf_dtypes": dtype_names(export_dtypes(model, "auto")), "hf_config": read_hf_config(model.init_from_hf)}
 
 
 def model_config_of(path: pathlib.Path) -> ModelConfig:

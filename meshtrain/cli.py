@@ -23,7 +23,7 @@ def parse(cls: type, argv: list[str], prog: str):
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
     known, rest = pre.parse_known_args(argv)
-    default = load_yaml(known.config, cls) if known.config else cls()
+    default = load_yaml(known.config, cls) if known.config else None
     return tyro.cli(cls, default=default, args=rest, prog=prog, config=(tyro.conf.FlagConversionOff,),
                     description=f"{(cls.__doc__ or '').strip()}  Use --config FILE.yaml for defaults.")
 
@@ -38,8 +38,15 @@ def train_main(argv: list[str]) -> None:
         train.run(cfg)
 
 
+def convert_main(argv: list[str]) -> None:
+    from meshtrain.convert import ConvertConfig, convert
+
+    convert(parse(ConvertConfig, argv, "meshtrain convert"))
+
+
 SUBCOMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
     "train": (train_main, "train a model (add --train.dry-run to validate and print the layout only)"),
+    "convert": (convert_main, "Hugging Face safetensors <-> meshtrain checkpoints (--src DIR --dst DIR)"),
 }
 
 

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 
 from meshtrain.config import ModelConfig
 from meshtrain.errors import CheckpointError
-from meshtrain.hf_adapter import DTYPES, hf_config_from_model, hf_shapes, to_hf
+from meshtrain.hf_adapter import DTYPE_NAMES, DTYPES, hf_config_from_model, hf_shapes, to_hf
 from meshtrain.model import Transformer
 
 INDEX = "model.safetensors.index.json"
@@ -181,12 +181,21 @@ def tokenizer_files(directory: str | None) -> list[pathlib.Path]:
     return [p for name in TOKENIZER_FILES if (p := pathlib.Path(directory) / name).is_file()]
 
 
-def export_dtypes(cfg: ModelConfig, choice: str) -> dict[str, torch.dtype]:
-    """The stored dtype of every exported tensor. ``auto`` keeps each tensor's dtype in
-    ``cfg.init_from_hf`` (so a round trip is bit-exact) and is float32 for a model trained from scratch."""
+def export_dtypes(cfg: ModelConfig, choice: str, source: dict[str, torch.dtype] | None = None) -> dict[str, torch.dtype]:
+    """The stored dtype of every exported tensor. ``auto`` keeps each tensor's dtype in the Hugging
+    Face checkpoint the weights came from (``source``, else ``cfg.init_from_hf``), so a round trip is
+    bit-exact; a model trained from scratch exports float32."""
     shapes = hf_shapes(cfg)
     if choice != "auto":
         return dict.fromkeys(shapes, DTYPES[choice])
-    if cfg.init_from_hf is None:
-        return dict.fromkeys(shapes, torch.float32)
-    return inspect_hf_dir(cfg.init_from_hf, shapes)
+    if source is None and cfg.init_from_hf is not None:
+        source = inspect_hf_dir(cfg.init_from_hf, shapes)
+    return {key: (source or {}).get(key, torch.float32) for key in shapes}
+
+
+def dtype_names(dtypes: dict[str, torch.dtype]) -> dict[str, str]:
+    return {k: DTYPE_NAMES[v] for k, v in dtypes.items()}
+
+
+def dtypes_from_names(names: dict[str, str] | None) -> dict[str, torch.dtype] | None:
+    return None if names is None else {k: DTYPES[v] for k, v in names.items()}

@@ -50,8 +50,10 @@ def check_runnable(layout: Layout) -> None:
                               f"in this version. Fix: set parallel.{dim}=1")
 
 
-def build_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device, stage: int | None = None) -> Transformer:
-    """The whole model, or pipeline stage ``stage`` of it: built on meta, sharded, then initialised."""
+def build_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device, stage: int | None = None, *,
+                initialize: bool = True) -> Transformer:
+    """The whole model, or pipeline stage ``stage`` of it: built on meta, sharded, then initialised
+    (``initialize=False`` leaves the memory uninitialised, for weights about to be loaded)."""
     with torch.device("meta"):
         model = Transformer(cfg.model)
     if stage is not None:
@@ -67,7 +69,7 @@ def build_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device, stage:
         model.forward = torch.autocast(device.type, dtype=torch.bfloat16)(model.forward)  # FSDP's policy casts otherwise
     model.to_empty(device=device)
     model.tie_weights()
-    if cfg.model.init_from_hf is None:  # else the Trainer loads the weights into every part at once
+    if initialize:
         init_weights(model, cfg.train.seed)
     return model
 
@@ -98,15 +100,16 @@ class Trainer:
                                   seed=t.seed, num_workers=cfg.data.num_workers)
 
         torch.manual_seed(t.seed)
+        from_scratch = cfg.model.init_from_hf is None  # else the weights are loaded below
         self.pipeline: Pipeline | None = None
         if mesh.size("pp") > 1:
             schedule = resolve_schedule(cfg.parallel.pp_schedule, cfg.parallel.vpp)
             stage_ids = stage_ids_for_rank(mesh["pp"].get_local_rank(), mesh.size("pp"), cfg.parallel.vpp, schedule)
-            self.parts = [build_model(cfg, mesh, runtime.device, stage=s) for s in stage_ids]
+            self.parts = [build_model(cfg, mesh, runtime.device, stage=s, initialize=from_scratch) for s in stage_ids]
             self.pipeline = Pipeline(self.parts, stage_ids, mesh.size("pp") * cfg.parallel.vpp, mesh["pp"],
                                      runtime.device, schedule, self.stream.accum, cross_entropy)
         else:
-            self.parts = [build_model(cfg, mesh, runtime.device)]
+            self.parts = [build_model(cfg, mesh, runtime.device, initialize=from_scratch)]
         self.params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
         # One optimizer per part: torch's optimizer state dicts are per (module, optimizer) pair.
         self.optimizers = [build_optimizer([part], cfg.optimizer) for part in self.parts]
