@@ -27,6 +27,8 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 FAMILY_OF_ARCHITECTURE = {arch: family for family, arch in ARCHITECTURES.items()}
 # Recognised, but their model lands with the MoE issue; named so the error can say so.
 LATER_ARCHITECTURES = {"Qwen3MoeForCausalLM": "Qwen3-MoE", "MixtralForCausalLM": "Mixtral"}
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+               "mixtral": "MixtralForCausalLM"}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -103,7 +105,8 @@ def _rope_from_hf(hf: dict, where: str) -> tuple[float, RopeScalingConfig]:
 def model_config_from_hf(hf: dict, where: str = "config.json") -> tuple[ModelConfig, torch.dtype | None]:
     """A transformers config.json (as a dict) -> meshtrain's ModelConfig and the checkpoint dtype."""
     archs = hf.get("architectures") or []
-    arch = archs[0] if archs else None
+    # A config built in memory may name only its model_type; save_pretrained writes architectures.
+    arch = archs[0] if archs else MODEL_TYPES.get(hf.get("model_type"))
     if arch in LATER_ARCHITECTURES:
         raise CheckpointError(f"{where}: {arch} ({LATER_ARCHITECTURES[arch]}) needs the MoE model, which is not "
                               "in this version (issue #6); supported: " + ", ".join(FAMILY_OF_ARCHITECTURE))
