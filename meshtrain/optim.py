@@ -22,11 +22,14 @@ from meshtrain.mesh import ParallelMesh
 
 def build_optimizer(parts: list[nn.Module], cfg: OptimizerConfig) -> torch.optim.AdamW:
     """One AdamW over the model parts of this rank (several pipeline stages, or the whole model)."""
-    decay, no_decay = [], []
+    # Keyed by (decays, is a DTensor): foreach kernels refuse a list mixing DTensors and plain
+    # tensors, which tensor parallelism without FSDP gives (Qwen3's replicated q/k norms beside plain norms).
+    groups: dict[tuple[bool, bool], list] = {}
     for part in parts:
         for p in part.parameters():
-            (no_decay if p.ndim < 2 else decay).append(p)  # norm weights are 1-D
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            groups.setdefault((p.ndim >= 2, isinstance(p, DTensor)), []).append(p)  # norm weights are 1-D
+    groups = [{"params": params, "weight_decay": cfg.weight_decay if decays else 0.0}
+              for (decays, _), params in sorted(groups.items(), reverse=True)]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
 
 

@@ -97,6 +97,14 @@ def test_qwen3_tp2_sp_with_hsdp(tmp_path):
     assert_matches_reference(got, reference(extra))
 
 
+def test_qwen3_tp2_without_fsdp(tmp_path):
+    """Without FSDP the replicated q/k norm DTensors sit beside plain norm tensors: the optimizer's
+    foreach step must not mix them (it raised before the param groups were split by kind)."""
+    extra = ("--model.family", "qwen3")
+    got = run_layout(tmp_path, 2, ["--parallel.tp", "2"], extra)
+    assert_matches_reference(got, reference(extra))
+
+
 def test_tied_embeddings_and_activation_checkpointing_under_fsdp(tmp_path):
     tied = ("--model.tie-word-embeddings", "True")
     got = run_layout(tmp_path, 2, ["--parallel.dp-shard", "2"], tied + ("--train.activation-checkpointing", "True"))

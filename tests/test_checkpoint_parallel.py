@@ -1,0 +1,119 @@
+"""Checkpoints across layouts, on 2-4 gloo ranks: HF import into tp/dp/pp layouts with logits equal to
+transformers' and a bit-exact export, resume under another layout, bitwise resume under the same
+one, and ``meshtrain convert`` on several ranks."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, tiny_args, torchrun
+from tests.hf_models import assert_same_tensors, read_tensors, write_hf_dir
+
+pytestmark = pytest.mark.slow
+
+LOSS_RTOL = 1e-5
+TINY = tiny_args()
+# The model section of TINY would contradict the imported config.json; data and steps still apply.
+TINY_NO_MODEL = [a for i, a in enumerate(TINY) if not (a.startswith("--model.") or
+                                                      (i > 0 and TINY[i - 1].startswith("--model.")))]
+
+IMPORT_LAYOUTS = {
+    "llama-fp32-tp2": (2, "llama", torch.float32, ["--parallel.tp", "2"]),
+    "qwen3-bf16-fsdp2": (2, "qwen3", torch.bfloat16, []),
+    "llama-bf16-pp2": (2, "llama", torch.bfloat16, ["--parallel.pp", "2"]),
+    "qwen3-fp32-pp2-tp2": (4, "qwen3", torch.float32, ["--parallel.pp", "2", "--parallel.tp", "2"]),
+}
+
+
+@pytest.mark.parametrize("name", IMPORT_LAYOUTS)
+def test_hf_import_into_layout_matches_transformers_and_exports_bit_exact(name, tmp_path):
+    import transformers
+
+    nproc, family, dtype, layout = IMPORT_LAYOUTS[name]
+    src = write_hf_dir(tmp_path / "src", family, dtype)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = torchrun(nproc, ["tests/hf_worker.py", str(out), *TINY_NO_MODEL, *layout, "--model.init-from-hf", str(src),
+                            "--train.run-dir", str(tmp_path / "run")])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    reference = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    from tests.hf_worker import TOKENS
+
+    with torch.no_grad():
+        expected = reference(TOKENS).logits
+    torch.testing.assert_close(torch.load(out / "logits.pt"), expected, rtol=1e-5, atol=1e-5)
+    assert_same_tensors(read_tensors(src), read_tensors(out / "hf"))
+    assert json.loads((out / "hf" / "config.json").read_text())["eos_token_id"] == 2  # carried from the source
+
+
+def train(tmp_path, name: str, nproc: int, *options: str) -> list[float]:
+    run_dir = tmp_path / name
+    proc = torchrun(nproc, ["-m", "meshtrain", "train", *TINY, "--train.steps", "6", "--logging.jsonl", "True",
+                            "--train.run-dir", str(run_dir), *options])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resume_under_other_layouts_and_bitwise_under_the_same(tmp_path):
+    whole = train(tmp_path, "one-rank", 1, "--checkpoint.interval", "3")
+    step3 = str(tmp_path / "one-rank" / "checkpoints" / "step-000003")
+    for name, nproc, layout in [("tp2-dp2", 4, ["--parallel.tp", "2"]),
+                                ("pp2-dp2", 4, ["--parallel.pp", "2"])]:
+        resumed = train(tmp_path, name, nproc, "--checkpoint.resume", step3, "--checkpoint.interval", "3", *layout)
+        torch.testing.assert_close(resumed, whole[3:], rtol=LOSS_RTOL, atol=0)
+    # A 4-rank checkpoint, resumed by 4 ranks of the same layout: the very same floats.
+    sharded = train(tmp_path, "tp2-dp2-whole", 4, "--parallel.tp", "2", "--checkpoint.interval", "3")
+    again = train(tmp_path, "tp2-dp2-again", 4, "--parallel.tp", "2", "--checkpoint.resume",
+                  str(tmp_path / "tp2-dp2-whole" / "checkpoints" / "step-000003"))
+    assert again == sharded[3:]
+    # ... and by 2 ranks of a pipeline: from tp x FSDP shards to pp stages.
+    pp = train(tmp_path, "pp2", 2, "--parallel.pp", "2", "--checkpoint.resume",
+               str(tmp_path / "tp2-dp2-whole" / "checkpoints" / "step-000003"))
+    torch.testing.assert_close(pp, sharded[3:], rtol=LOSS_RTOL, atol=0)
+
+
+def meshtrain(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "meshtrain", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_convert_round_trip_on_several_ranks(tmp_path):
+    src = write_hf_dir(tmp_path / "src", "qwen3", torch.bfloat16)
+    (src / "tokenizer.json").write_text("{}")  # carried along, not interpreted
+    proc = torchrun(4, ["-m", "meshtrain", "convert", "--src", str(src), "--dst", str(tmp_path / "dcp")])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "verified: every tensor" in proc.stdout and "over 4 rank(s)" in proc.stdout
+    proc = torchrun(2, ["-m", "meshtrain", "convert", "--src", str(tmp_path / "dcp"), "--dst", str(tmp_path / "hf")])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert_same_tensors(read_tensors(src), read_tensors(tmp_path / "hf"))
+    assert (tmp_path / "hf" / "tokenizer.json").read_text() == "{}"
+
+    # Train from the converted weights (a weights-only checkpoint: step 0, fresh optimizer), export at the end.
+    run_dir = tmp_path / "run"
+    proc = torchrun(2, ["-m", "meshtrain", "train", *TINY_NO_MODEL, "--model.init-from-hf", str(src),
+                        "--parallel.tp", "2", "--train.steps", "2", "--train.run-dir", str(run_dir),
+                        "--checkpoint.export-hf", str(tmp_path / "trained")])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    trained = read_tensors(tmp_path / "trained")
+    assert {t.dtype for t in trained.values()} == {torch.bfloat16}  # auto: the source's dtype
+    assert any(not torch.equal(trained[k], v) for k, v in read_tensors(src).items())  # it did train
+
+
+def test_user_mistakes_in_conversion_are_one_line_errors(tmp_path):
+    src = write_hf_dir(tmp_path / "src")
+    cases = [
+        (["--src", str(tmp_path / "nope"), "--dst", str(tmp_path / "x")], "no such directory"),
+        (["--src", str(src), "--dst", str(src)], "already exists and is not empty"),
+        (["--src", str(tmp_path), "--dst", str(tmp_path / "y")], "neither a Hugging Face model"),
+    ]
+    for args, message in cases:
+        proc = meshtrain("convert", *args)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    bad = tmp_path / "src" / sorted(p.name for p in src.glob("*.safetensors"))[0]
+    bad.write_bytes(bad.read_bytes()[:-64])
+    proc = meshtrain("convert", "--src", str(src), "--dst", str(tmp_path / "z"))
+    assert proc.returncode == 2 and "truncated or corrupted" in proc.stderr and bad.name in proc.stderr
+    assert not (tmp_path / "z").exists()
