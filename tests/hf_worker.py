@@ -3,16 +3,18 @@ export it again.
 
     torchrun ... tests/hf_worker.py OUT_DIR [meshtrain train options, --model.init-from-hf SRC ...]
 
-Writes OUT_DIR/logits.pt (the full logits, from the last pipeline stage) and OUT_DIR/hf (the
-export). The forward runs stage by stage with plain send/recv between pipeline ranks, so logits
+Writes OUT_DIR/logits.pt (the full logits, from the last pipeline stage), OUT_DIR/read_bytes_rankR
+(the bytes of tensor data rank R asked the safetensors files for) and OUT_DIR/hf (the export). The forward runs stage by stage with plain send/recv between pipeline ranks, so logits
 can be compared for pp layouts too.
 """
 
+import math
 import pathlib
 import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.tensor import DTensor
 
 from meshtrain.cli import parse
@@ -44,13 +46,29 @@ def pipelined_logits(trainer: Trainer) -> torch.Tensor | None:
     return out
 
 
+def count_read_bytes() -> list[int]:
+    """Wrap the reader's per-slice read to add up the bytes this rank requests."""
+    total = [0]
+    original = HuggingFaceStorageReader._process_read_request
+
+    def counting(self, f, req, planner):
+        dtype = f.get_slice(req.storage_index.fqn).get_dtype()
+        total[0] += math.prod(req.lengths) * {"F32": 4, "BF16": 2, "F16": 2}[dtype]
+        return original(self, f, req, planner)
+
+    HuggingFaceStorageReader._process_read_request = counting
+    return total
+
+
 def main() -> None:
     out, args = pathlib.Path(sys.argv[1]), sys.argv[2:]
     cfg = resolve(parse(JobConfig, args, "hf_worker"))
     layout = plan_layout(cfg, world_size_from_env())
     runtime = init_distributed(cfg.parallel.timeout_s)
     try:
+        read = count_read_bytes()
         trainer = Trainer(cfg, runtime, build_mesh(layout, runtime.device.type))
+        (out / f"read_bytes_rank{runtime.rank}").write_text(str(read[0]))
         logits = pipelined_logits(trainer)
         if logits is not None and trainer.mesh["dp"].get_local_rank() == 0 and trainer.mesh["tp"].get_local_rank() == 0:
             torch.save(logits, out / "logits.pt")

@@ -24,3 +24,16 @@ def test_pipeline_bubble_bench_measures_every_rank(tmp_path):
         assert [r["rank"] for r in result["ranks"]] == [0, 1]
         assert all(0 < r["busy_s"] <= r["step_s"] for r in result["ranks"])
     assert "| 1F1B | 1 |" in (tmp_path / "pipeline_bubble.md").read_text()
+
+
+def test_hf_io_bench_runs_side_by_side(tmp_path):
+    cmd = [sys.executable, str(ROOT / "bench" / "hf_io.py"), "--hidden", "128", "--layers", "2", "--vocab", "512",
+           "--shard-mb", "1", "--ranks", "2", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "hf_io.json").read_text())
+    assert result["import_s"] > 0 and result["export_s"] > 0 and result["plain_read_s"] > 0
+    assert [r["rank"] for r in result["ranks"]] == [0, 1]
+    assert all(r["local_shard_bytes"] > 0 for r in result["ranks"])
+    assert "| meshtrain export, 2 ranks" in (tmp_path / "hf_io.md").read_text()
+    assert not (tmp_path / "src").exists()  # the generated checkpoint is cleaned up

@@ -45,7 +45,14 @@ def test_hf_import_into_layout_matches_transformers_and_exports_bit_exact(name, 
     with torch.no_grad():
         expected = reference(TOKENS).logits
     torch.testing.assert_close(torch.load(out / "logits.pt"), expected, rtol=1e-5, atol=1e-5)
-    assert_same_tensors(read_tensors(src), read_tensors(out / "hf"))
+    source = read_tensors(src)
+    assert_same_tensors(source, read_tensors(out / "hf"))
+    # Each rank read only its slices: never the whole model, and under pure FSDP exactly 1/world of it.
+    total = sum(t.numel() * t.element_size() for t in source.values())
+    read = [int((out / f"read_bytes_rank{r}").read_text()) for r in range(nproc)]
+    assert max(read) < total, (read, total)
+    if not layout:
+        assert sum(read) == total and max(read) <= total / nproc * 1.05, (read, total)
     assert json.loads((out / "hf" / "config.json").read_text())["eos_token_id"] == 2  # carried from the source
 
 
@@ -64,8 +71,10 @@ def test_resume_under_other_layouts_and_bitwise_under_the_same(tmp_path):
                                 ("pp2-dp2", 4, ["--parallel.pp", "2"])]:
         resumed = train(tmp_path, name, nproc, "--checkpoint.resume", step3, "--checkpoint.interval", "3", *layout)
         torch.testing.assert_close(resumed, whole[3:], rtol=LOSS_RTOL, atol=0)
-    # A 4-rank checkpoint, resumed by 4 ranks of the same layout: the very same floats.
-    sharded = train(tmp_path, "tp2-dp2-whole", 4, "--parallel.tp", "2", "--checkpoint.interval", "3")
+    # A 4-rank checkpoint (written in the background), resumed by 4 ranks of the same layout: the very same floats.
+    sharded = train(tmp_path, "tp2-dp2-whole", 4, "--parallel.tp", "2", "--checkpoint.interval", "3",
+                    "--checkpoint.async-save", "True")
+    torch.testing.assert_close(sharded, whole, rtol=LOSS_RTOL, atol=0)
     again = train(tmp_path, "tp2-dp2-again", 4, "--parallel.tp", "2", "--checkpoint.resume",
                   str(tmp_path / "tp2-dp2-whole" / "checkpoints" / "step-000003"))
     assert again == sharded[3:]
