@@ -48,6 +48,7 @@ class ConvertConfig:
     max_shard_gb: float = 5.0
     """Largest Hugging Face output file."""
     timeout_s: int = 1800
+    """Collective timeout; rank 0 alone consolidates the exported files, so large models need long."""
 
 
 def source_kind(src: pathlib.Path) -> str:
@@ -81,6 +82,8 @@ def convert(cc: ConvertConfig) -> None:
     kind = source_kind(src)
     to = cc.to if cc.to != "auto" else ("dcp" if kind == "hf" else "hf")
     check_export_target(dst)
+    if cc.max_shard_gb <= 0:
+        raise CheckpointError(f"--max-shard-gb={cc.max_shard_gb} must be > 0")
     if kind == "hf":
         model_cfg = resolve_init_from_hf(ModelConfig(init_from_hf=str(src)))
         origin = checkpoint.hf_origin_of(model_cfg)

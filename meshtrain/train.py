@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from meshtrain.checkpoint import Checkpointer
+from meshtrain.checkpoint import Checkpointer, check_architecture, read_meta
 from meshtrain.config import JobConfig, dump_yaml
 from meshtrain.data import BatchStream, PackedDataset, build_tokenizer, tokenize_corpus
 from meshtrain.data_parallel import apply_fsdp
@@ -225,10 +225,17 @@ def prepare_run_dir(cfg: JobConfig, runtime: Runtime) -> None:
 def resolve(cfg: JobConfig) -> JobConfig:
     """The config as the job will run it: with model.init_from_hf, the architecture of its config.json.
     Checks what can fail late (the export target) before any work starts."""
+    c = cfg.checkpoint
+    for name, value, ok in [("interval", c.interval, c.interval >= 0), ("keep_last", c.keep_last, c.keep_last >= 0),
+                            ("hf_max_shard_gb", c.hf_max_shard_gb, c.hf_max_shard_gb > 0)]:
+        if not ok:
+            raise ConfigError(f"checkpoint.{name}={value} must be {'> 0' if name == 'hf_max_shard_gb' else '>= 0'}")
     if cfg.model.init_from_hf is not None:
         cfg = dataclasses.replace(cfg, model=resolve_init_from_hf(cfg.model))
     if cfg.checkpoint.export_hf:
         check_export_target(cfg.checkpoint.export_hf)
+    if c.resume not in ("auto", "never"):
+        check_architecture(read_meta(pathlib.Path(c.resume)), cfg.model, pathlib.Path(c.resume))
     return cfg
 
 

@@ -102,6 +102,10 @@ def test_bf16_with_a_peak_reports_mfu(tmp_path):
     (["--parallel.pp", "2", "--parallel.pp-layers-per-stage", "1", "2"], {"WORLD_SIZE": "2"},
      "must be non-negative counts summing to model.num_hidden_layers=4"),
     (["--train.seq-len", "4096"], {}, "exceeds model.max_position_embeddings"),
+    (["--checkpoint.interval", "-1"], {}, "checkpoint.interval=-1 must be >= 0"),
+    (["--model.init-from-hf", "/nonexistent"], {}, "/nonexistent/config.json: no such file"),
+    (["--checkpoint.resume", "/nonexistent/step-000010"], {}, "no such checkpoint directory"),
+    (["--checkpoint.export-hf", "meshtrain"], {}, "meshtrain: already exists and is not empty"),
 ])
 def test_user_mistakes_are_one_clear_message(args, env, message, tmp_path):
     proc = meshtrain("train", "--train.run-dir", str(tmp_path), *args, env=env)
