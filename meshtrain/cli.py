@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         SUBCOMMANDS[name][0](rest)
     except MeshtrainError as e:
         rank = os.environ.get("RANK")
-        if os.environ.get("LOCAL_RANK", "0") == "0":
+        if os.environ.get("LOCAL_RANK", "0") == "0" or getattr(e, "every_rank", False):
             prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
             print(f"meshtrain: error: {prefix}{e}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -55,3 +55,22 @@ def init_distributed(timeout_s: int) -> Runtime:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# What gloo and NCCL raise when a peer is gone or silent (gloo raises plain RuntimeErrors).
+_PEER_FAILURE = ("Timed out", "timed out", "Connection closed by peer", "Connection reset by peer", "NCCL")
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    return isinstance(error, dist.DistError) or (
+        isinstance(error, RuntimeError) and any(s in str(error) for s in _PEER_FAILURE))
+
+
+def collective_error(error: BaseException, timeout_s: int) -> "CollectiveError":
+    from meshtrain.errors import CollectiveError
+
+    detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return CollectiveError(
+        f"a collective did not complete ({detail}): another rank has died or hangs, and its own output says "
+        f"why; parallel.timeout_s={timeout_s} bounds how long the others wait. Fix: look at the first failing "
+        "rank's log, or raise parallel.timeout_s if one step legitimately takes longer")

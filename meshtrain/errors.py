@@ -22,5 +22,12 @@ class TrainingError(MeshtrainError):
     """Training cannot go on (for example the loss became non-finite)."""
 
 
+class CollectiveError(TrainingError):
+    """A collective failed or timed out: another rank died or hangs. Each rank says so itself,
+    since each one knows only which of its own operations broke."""
+
+    every_rank = True
+
+
 class CheckpointError(MeshtrainError):
     """A checkpoint or model directory is missing, incomplete, corrupted or does not match the run."""

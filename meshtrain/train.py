@@ -26,7 +26,8 @@ from meshtrain.checkpoint import Checkpointer, check_architecture, read_meta
 from meshtrain.config import JobConfig, dump_yaml
 from meshtrain.data import BatchStream, PackedDataset, build_tokenizer, tokenize_corpus
 from meshtrain.data_parallel import apply_fsdp
-from meshtrain.distributed import Runtime, init_distributed, shutdown, world_size_from_env
+from meshtrain.distributed import (Runtime, collective_error, init_distributed, is_collective_failure, shutdown,
+                                   world_size_from_env)
 from meshtrain.errors import ConfigError, TrainingError
 from meshtrain.hf_adapter import read_hf_config, resolve_init_from_hf
 from meshtrain.hf_io import check_export_target, export_dtypes, load_hf_weights, save_hf, tokenizer_files
@@ -268,5 +269,9 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
         mesh = build_mesh(layout, runtime.device.type)
         prepare_run_dir(cfg, runtime)
         return Trainer(cfg, runtime, mesh).fit()
+    except RuntimeError as e:
+        if is_collective_failure(e):
+            raise collective_error(e, cfg.parallel.timeout_s) from None
+        raise
     finally:
         shutdown()
