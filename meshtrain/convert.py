@@ -126,8 +126,10 @@ def convert(cc: ConvertConfig) -> None:
             if bad:
                 raise CheckpointError(f"--verify: {dst} differs from {src} in {len(bad)} tensors: {', '.join(bad[:4])}")
             say(f"verified: every tensor of {dst} equals the source bit for bit", t0)
-    finally:
+    except BaseException:
         shutdown()
+        raise
+    shutdown(synchronize=True)
 
 
 @torch.no_grad()

@@ -52,9 +52,23 @@ def init_distributed(timeout_s: int) -> Runtime:
     return Runtime(rank, world, local_rank, device)
 
 
-def shutdown() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def shutdown(synchronize: bool = False) -> None:
+    """Tear the process group down; ``synchronize`` first waits (bounded by the group timeout) for
+    every rank to finish.
+
+    On success all ranks must reach destroy_process_group together: a rank that tears gloo down
+    while a peer still has a collective in flight with it can abort in gloo's destructor
+    ("terminate called without an active exception", seen in CI with 4-rank convert). After an
+    error a barrier could wait on a dead peer, so the error path destroys at once.
+    """
+    if not dist.is_initialized():
+        return
+    if synchronize and dist.get_world_size() > 1:
+        try:
+            dist.barrier()
+        except Exception:  # a peer died after our work finished: nothing to save, still tear down
+            pass
+    dist.destroy_process_group()
 
 
 # What gloo and NCCL raise when a peer is gone or silent (gloo raises plain RuntimeErrors).

@@ -268,10 +268,11 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
     try:
         mesh = build_mesh(layout, runtime.device.type)
         prepare_run_dir(cfg, runtime)
-        return Trainer(cfg, runtime, mesh).fit()
-    except RuntimeError as e:
-        if is_collective_failure(e):
+        history = Trainer(cfg, runtime, mesh).fit()
+    except BaseException as e:
+        shutdown()
+        if isinstance(e, RuntimeError) and is_collective_failure(e):
             raise collective_error(e, cfg.parallel.timeout_s) from None
         raise
-    finally:
-        shutdown()
+    shutdown(synchronize=True)
+    return history
