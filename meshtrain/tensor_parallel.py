@@ -13,15 +13,16 @@ Qwen3's per-head q/k norms see only the local heads; their weights are replicate
 autograd sums their gradients over the tp group.
 
 A replicated parameter fed by sharded activations (the norms under SP, the q/k norms) gets a
-Partial gradient: each tp rank holds a summand. ``reduce_partial_grads`` sums them once per step,
-after the last micro-batch; FSDP2 does this itself during its reduce-scatter when it is applied.
+Partial gradient: each tp rank holds a summand. ``grads_to_param_placements`` sums them once per step,
+after the last micro-batch (and slices gradients that come back Replicate for a sharded
+parameter); FSDP2 does this itself during its reduce-scatter when it is applied.
 """
 
 from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -83,9 +84,12 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, sequence_p
 
 
 @torch.no_grad()
-def reduce_partial_grads(params: list[torch.Tensor]) -> None:
-    """All-reduce gradients left Partial by tensor parallelism into the parameter's placements."""
+def grads_to_param_placements(params: list[torch.Tensor]) -> None:
+    """Bring every gradient to its parameter's placements: all-reduce the ones tensor parallelism
+    left Partial, and slice the ones it left Replicate. The vocab-parallel embedding's gradient
+    comes out of its backward Replicate (torch 2.13): whole [vocab, hidden] on every tp rank, which
+    would otherwise stay allocated and make AdamW redistribute it every step."""
     for p in params:
         g = p.grad
-        if isinstance(g, DTensor) and any(isinstance(pl, Partial) for pl in g.placements):
+        if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
             p.grad = g.redistribute(g.device_mesh, p.placements)

@@ -38,7 +38,7 @@ from meshtrain.metrics import MetricsLogger, flops_per_token, memory_gib, peak_t
 from meshtrain.model import Transformer, count_parameters
 from meshtrain.pipeline import Pipeline, split_for_stage, stage_ids_for_rank
 from meshtrain.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
-from meshtrain.tensor_parallel import apply_tensor_parallel, reduce_partial_grads
+from meshtrain.tensor_parallel import apply_tensor_parallel, grads_to_param_placements
 
 # Layout features whose runtime lands with later issues; validated already, refused clearly.
 NOT_YET = {"cp": "context parallelism (issue #5)", "ep": "expert parallelism (issue #6)"}
@@ -157,7 +157,7 @@ class Trainer:
             raise TrainingError(f"the loss became {loss_value} at step {self.step}; training stopped before "
                                 "the optimizer step. Fix: lower optimizer.lr, raise lr_schedule.warmup_steps, "
                                 "or enable train.grad_clip")
-        reduce_partial_grads(self.params)
+        grads_to_param_placements(self.params)
         grad_norm = clip_grad_norm_(self.params, t.grad_clip, self.mesh).item()
         if not math.isfinite(grad_norm):
             raise TrainingError(f"the gradient norm became {grad_norm} at step {self.step} (loss {loss_value:.4f}); "
