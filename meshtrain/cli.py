@@ -44,8 +44,15 @@ def convert_main(argv: list[str]) -> None:
     convert(parse(ConvertConfig, argv, "meshtrain convert"))
 
 
+def plan_main(argv: list[str]) -> None:
+    from meshtrain.planner import PlanConfig, plan_main as run_plan
+
+    run_plan(parse(PlanConfig, argv, "meshtrain plan"))
+
+
 SUBCOMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
     "train": (train_main, "train a model (add --train.dry-run to validate and print the layout only)"),
+    "plan": (plan_main, "recommend a layout for a model and cluster, with per-GPU memory (--params 70b --gpus 64)"),
     "convert": (convert_main, "Hugging Face safetensors <-> meshtrain checkpoints (--src DIR --dst DIR)"),
 }
 

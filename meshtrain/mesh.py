@@ -127,21 +127,7 @@ def plan_layout(cfg: JobConfig, world_size: int) -> Layout:
             f"use a seq_len that is a multiple of {2 * p.cp}",
         )
 
-    # Experts.
-    if (p.ep > 1 or p.etp > 1) and m.num_experts == 0:
-        _fail(f"parallel.ep={p.ep}, etp={p.etp} on the dense model family {m.family!r}: "
-              "expert parallelism needs an MoE model", "set parallel.ep=1 and parallel.etp=1")
-    if m.num_experts and m.num_experts % p.ep:
-        _fail(f"model.num_experts={m.num_experts} is not divisible by parallel.ep={p.ep}",
-              "choose an ep that divides the number of experts")
-    stage = world_size // p.pp
-    if (p.ep * p.etp) > stage or stage % (p.ep * p.etp):
-        _fail(
-            f"ep*etp = {p.ep}*{p.etp} must divide the ranks of one pipeline stage, world/pp = {stage} "
-            f"(the expert grid ep x etp and the dense grid tp x cp share each stage's ranks, so the "
-            f"minimum world is pp*max(tp*cp, ep*etp) = {p.pp * max(p.tp * p.cp, p.ep * p.etp)})",
-            "launch more ranks or lower ep/etp",
-        )
+    check_expert_layout(m.family, m.num_experts, p.ep, p.etp, world_size, p.pp, p.tp, p.cp)
 
     # Tensor parallel shapes.
     if m.num_attention_heads % p.tp:
@@ -204,6 +190,25 @@ def plan_layout(cfg: JobConfig, world_size: int) -> Layout:
     for message in messages:
         warnings.warn(message, stacklevel=2)
     return layout
+
+
+def check_expert_layout(family: str, num_experts: int, ep: int, etp: int, world_size: int, pp: int, tp: int,
+                        cp: int) -> None:
+    """The expert grid's rules (shared with the planner, which sees MoE shapes the model lacks yet)."""
+    if (ep > 1 or etp > 1) and num_experts == 0:
+        _fail(f"parallel.ep={ep}, etp={etp} on the dense model family {family!r}: "
+              "expert parallelism needs an MoE model", "set parallel.ep=1 and parallel.etp=1")
+    if num_experts and num_experts % ep:
+        _fail(f"model.num_experts={num_experts} is not divisible by parallel.ep={ep}",
+              "choose an ep that divides the number of experts")
+    stage = world_size // pp
+    if (ep * etp) > stage or stage % (ep * etp):
+        _fail(
+            f"ep*etp = {ep}*{etp} must divide the ranks of one pipeline stage, world/pp = {stage} "
+            f"(the expert grid ep x etp and the dense grid tp x cp share each stage's ranks, so the "
+            f"minimum world is pp*max(tp*cp, ep*etp) = {pp * max(tp * cp, ep * etp)})",
+            "launch more ranks or lower ep/etp",
+        )
 
 
 def reshard_after_forward(policy: str, pp: int) -> bool:
