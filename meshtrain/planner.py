@@ -435,13 +435,14 @@ def layer_activation_elements(s: ModelShape, layer: int, sizes: Sizes, tokens: i
     return elements
 
 
-def in_flight_microbatches(sizes: Sizes, schedule: str, microbatches: int) -> float:
-    """Micro-batches whose activations the busiest rank (pp rank 0) holds at its peak."""
+def in_flight_microbatches(sizes: Sizes, schedule: str, microbatches: int, pp_rank: int = 0) -> float:
+    """Micro-batches whose activations pp rank ``pp_rank`` holds at its peak: under 1F1B rank r runs
+    pp - r forwards before its first backward (rank 0 the most)."""
     if sizes.pp == 1:
         return 1  # gradient accumulation frees each micro-batch's activations in its backward
     if schedule == "GPipe" or schedule == "LoopedBFS":
         return microbatches
-    flight = min(sizes.pp, microbatches)
+    flight = min(sizes.pp - pp_rank, microbatches)
     if sizes.vpp > 1:  # Megatron's interleaved-schedule factor (Narayanan et al. 2021)
         flight *= 1 + (sizes.pp - 1) / (sizes.pp * sizes.vpp)
     return flight
@@ -507,7 +508,7 @@ def estimate(s: ModelShape, sizes: Sizes, cfg: PlanConfig, schedule: str, microb
         layers = [t.layer for t in stage_tensors(parameter_tensors(s), s, sizes, stages) if t.layer is not None]
         layer_ids = sorted(set(layers))
         per_layer = [layer_activation_elements(s, i, sizes, tokens, checkpointed) for i in layer_ids]
-        flight = in_flight_microbatches(sizes, schedule, microbatches) if pp_rank == 0 else 1
+        flight = in_flight_microbatches(sizes, schedule, microbatches, pp_rank)
         act = sum(per_layer) * flight * prec.activations
         if checkpointed and layer_ids:  # one layer is recomputed whole at a time in backward
             act += layer_activation_elements(s, layer_ids[0], sizes, tokens, False) * prec.activations
