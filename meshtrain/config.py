@@ -94,7 +94,10 @@ class ParallelConfig:
     dp_shard: int = -1
     """FSDP2 shard group size; -1 takes what the world size leaves over."""
     cp: int = 1
-    """Context parallel size (alias: context_parallel_size)."""
+    """Context parallel size (alias: context_parallel_size): ring attention over load-balanced
+    sequence shards; needs train.seq_len % (2 * cp) == 0."""
+    cp_rotate_method: Literal["allgather", "alltoall"] = "allgather"
+    """How ring attention passes keys and values around the cp group."""
     tp: int = 1
     """Tensor parallel size (alias: tensor_model_parallel_size)."""
     sp: bool = False
