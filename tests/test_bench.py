@@ -37,3 +37,13 @@ def test_hf_io_bench_runs_side_by_side(tmp_path):
     assert all(r["local_shard_bytes"] > 0 for r in result["ranks"])
     assert "| meshtrain export, 2 ranks" in (tmp_path / "hf_io.md").read_text()
     assert not (tmp_path / "src").exists()  # the generated checkpoint is cleaned up
+
+
+def test_cp_memory_bench_shows_per_rank_activations(tmp_path):
+    cmd = [sys.executable, str(ROOT / "bench" / "cp_memory.py"), "--seq-len", "256", "--hidden", "64",
+           "--layers", "2", "--cps", "1", "2", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "cp_memory.json").read_text())
+    assert [r["tokens"] for r in results["2"]["ranks"]] == [128, 128]
+    assert all(r["saved_bytes"] > 0 for cp in ("1", "2") for r in results[cp]["ranks"])
