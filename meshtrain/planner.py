@@ -461,6 +461,7 @@ class Memory:
     in_flight: float
     layers_on_rank: int
     checkpointed: bool
+    pp_rank: int = 0
 
     @property
     def weights(self) -> float:
@@ -517,7 +518,8 @@ def estimate(s: ModelShape, sizes: Sizes, cfg: PlanConfig, schedule: str, microb
         logits = tokens / sizes.cp * s.vocab_size / sizes.tp * (prec.activations + 8) if last else 0.0
         m = Memory(rank_parameters(s, sizes, schedule, pp_rank=pp_rank),
                    rank_parameters(s, sizes, schedule, pp_rank=pp_rank, fsdp=False), prec, act,
-                   (per_layer[0] if per_layer else 0) * prec.activations, logits, flight, len(layer_ids), checkpointed)
+                   (per_layer[0] if per_layer else 0) * prec.activations, logits, flight, len(layer_ids), checkpointed,
+                   pp_rank)
         if best is None or m.total > best.total:
             best = m
     return best
@@ -836,7 +838,7 @@ def report(plan: Plan, cfg: PlanConfig) -> str:
         lines.append("passed over (first ones):")
         lines += [f"  - {r}" for r in _unique(plan.rejected)[:5]]
 
-    lines += ["", f"memory per GPU ({unit}), busiest rank ({m.layers_on_rank} layers, {p.note}):",
+    lines += ["", f"memory per GPU ({unit}), busiest rank (pp rank {m.pp_rank}: {m.layers_on_rank} layers; {p.note}):",
               f"  {'':34}{'no parallelism':>16}{'this layout':>14}{'+ FSDP':>10}"]
     fsdp = z.dp * z.cp > 1
     rows = [("weights", p.weights), ("gradients", p.grads), ("optimizer state", p.optimizer)]
@@ -850,8 +852,8 @@ def report(plan: Plan, cfg: PlanConfig) -> str:
         lines.append("  (dp*cp = 1: nothing for FSDP to shard)")
     naive = single.total / (z.tp * z.pp)
     lines.append(f"  no-parallelism total / (tp*pp) = {naive / scale:.2f} {unit}: the naive split; this layout differs by "
-                 f"the activations of {m.in_flight:g} micro-batch(es) in flight on the first stage and by what tp "
-                 "does not shard (norms, the gathered SP inputs)")
+                 f"the {m.in_flight:g} micro-batch(es) in flight on that rank, by the embedding or head it holds, "
+                 "and by what tp does not shard (norms, the gathered SP inputs)")
 
     variants = []
     for label, sp, ac in (("no SP, no AC", False, False), ("SP", True, False), ("full AC", z.sp, True)):
