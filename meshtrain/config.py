@@ -37,8 +37,9 @@ class RopeScalingConfig:
 class ModelConfig:
     """Decoder-only transformer. Field names follow Hugging Face config.json names."""
 
-    family: Literal["llama", "qwen3"] = "llama"
-    """llama: Llama 3 blocks; qwen3: adds RMSNorm on per-head queries and keys."""
+    family: Literal["llama", "qwen3", "qwen3_moe", "mixtral"] = "llama"
+    """llama: Llama 3 blocks; qwen3: adds RMSNorm on per-head queries and keys; qwen3_moe: Qwen3 with
+    mixture-of-experts MLPs; mixtral: Llama attention with mixture-of-experts MLPs."""
     vocab_size: int = 384
     """Embedding rows. May exceed the tokenizer's vocabulary (padding, e.g. to divide by tp)."""
     hidden_size: int = 128
@@ -61,14 +62,50 @@ class ModelConfig:
     """A Hugging Face model directory (config.json + *.safetensors): the architecture comes from its
     config.json and each rank reads only its slices of the weights, for any layout."""
 
+    num_experts: int = 0
+    """Routed experts per MoE layer (MoE families only; HF: num_experts / num_local_experts)."""
+    num_experts_per_tok: int = 2
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: int | None = None
+    """Each expert's SwiGLU size; None means intermediate_size (Mixtral's convention)."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k routing weights to sum to one (Mixtral always does; Qwen3-MoE configs say)."""
+    decoder_sparse_step: int = 1
+    """Every this many layers is an MoE layer (HF's rule: (layer + 1) % step == 0)."""
+    mlp_only_layers: list[int] = field(default_factory=list)
+    """Layers that keep a dense MLP, e.g. [0] for a dense first layer."""
+    shared_expert_intermediate_size: int = 0
+    """SwiGLU size of an always-on shared expert added to every MoE layer's output; 0: none."""
+    router_aux_loss_coef: float = 0.001
+    """Weight of the load-balancing loss E * sum_i f_i * P_i (Switch Transformer, per sequence), averaged
+    over MoE layers."""
+    router_bias_update_rate: float = 0.0
+    """Aux-loss-free balancing (DeepSeek-V3): after each step each expert's routing bias moves by this
+    much towards balance (only selection uses the bias, not the weights); 0 disables it."""
+
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
 
     @property
-    def num_experts(self) -> int:
-        """Dense families have no experts; MoE families override this."""
-        return 0
+    def is_moe(self) -> bool:
+        return self.family in MOE_FAMILIES
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.family in ("qwen3", "qwen3_moe")
+
+    @property
+    def resolved_moe_intermediate_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` has an MoE MLP (HF's rule for Qwen3-MoE; every layer for Mixtral)."""
+        return (self.is_moe and self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 
 
 PipelineSchedule = Literal["auto", "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",

@@ -23,7 +23,7 @@ from meshtrain import checkpoint
 from meshtrain.config import JobConfig, ModelConfig, TrainConfig
 from meshtrain.distributed import init_distributed, shutdown
 from meshtrain.errors import CheckpointError
-from meshtrain.hf_adapter import resolve_init_from_hf, to_hf_name
+from meshtrain.hf_adapter import resolve_init_from_hf, to_hf
 from meshtrain.hf_io import (check_export_target, dtypes_from_names, export_dtypes, load_hf_weights, save_hf,
                              tokenizer_files)
 from meshtrain.mesh import build_mesh, plan_layout
@@ -148,7 +148,8 @@ def verify(parts: list[Transformer], dst: pathlib.Path, hf_dtypes: dict[str, tor
         for name, p in part.named_parameters():
             expected = _local(p)
             if hf_dtypes is not None:  # what the file can hold: the source rounded to its dtype
-                expected = expected.to(hf_dtypes[to_hf_name(name)]).to(expected.dtype)
+                first_key = next(iter(to_hf({name: p.shape}, model_cfg)))  # stacked experts: all one dtype
+                expected = expected.to(hf_dtypes[first_key]).to(expected.dtype)
             if not torch.equal(expected, _local(reloaded[name])):
                 bad.append(name)
     gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]

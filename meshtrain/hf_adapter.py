@@ -23,10 +23,9 @@ import torch
 from meshtrain.config import ModelConfig, RopeScalingConfig
 from meshtrain.errors import CheckpointError
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "mixtral": "MixtralForCausalLM"}
 FAMILY_OF_ARCHITECTURE = {arch: family for family, arch in ARCHITECTURES.items()}
-# Recognised, but their model lands with the MoE issue; named so the error can say so.
-LATER_ARCHITECTURES = {"Qwen3MoeForCausalLM": "Qwen3-MoE", "MixtralForCausalLM": "Mixtral"}
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                "mixtral": "MixtralForCausalLM"}
 
@@ -49,13 +48,60 @@ def from_hf_name(key: str) -> str:
     return key.removeprefix("model.")
 
 
+# Stacked expert weights [E, ...] <-> HF's per-expert linears, per family: (HF block name, HF
+# names of gate_proj, up_proj, down_proj).
+EXPERT_NAMES = {"qwen3_moe": ("mlp", {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}),
+                "mixtral": ("block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"})}
+
+
+def _per_expert(value, num_experts: int) -> list:
+    """A stacked value's E slices: views of a tensor, or the shape of one expert."""
+    if isinstance(value, torch.Size):
+        return [torch.Size(value[1:])] * num_experts
+    return list(value.unbind(0))
+
+
 def to_hf(state_dict: dict[str, T], cfg: ModelConfig) -> dict[str, T]:
-    """meshtrain names -> HF names. A tied output projection is not written (HF omits it too)."""
-    return {to_hf_name(n): v for n, v in state_dict.items() if not (cfg.tie_word_embeddings and n == LM_HEAD)}
+    """meshtrain names -> HF names (values are tensors, or shapes). A tied output projection is not
+    written (HF omits it too); stacked experts become HF's per-expert tensors (views)."""
+    out: dict[str, T] = {}
+    for name, value in state_dict.items():
+        if cfg.tie_word_embeddings and name == LM_HEAD:
+            continue
+        if cfg.is_moe and ".mlp." in name and (".mlp.gate." in name or ".mlp.experts." in name):
+            block, names = EXPERT_NAMES[cfg.family]
+            prefix, rest = name.split(".mlp.", 1)
+            if rest.startswith("experts."):
+                kind = rest.removeprefix("experts.")
+                for e, v in enumerate(_per_expert(value, cfg.num_experts)):
+                    out[f"model.{prefix}.{block}.experts.{e}.{names[kind]}.weight"] = v
+                continue
+            name = f"{prefix}.{block}.{rest}"
+        elif cfg.family == "mixtral":
+            name = name.replace(".mlp.", f".{EXPERT_NAMES['mixtral'][0]}.", 1)
+        out[to_hf_name(name)] = value
+    return out
 
 
-def from_hf(hf_state_dict: dict[str, T], cfg: ModelConfig) -> dict[str, T]:
-    return {from_hf_name(k): v for k, v in hf_state_dict.items()}
+def from_hf(hf_state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF names -> meshtrain names; per-expert tensors are stacked (copies)."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    block, names = EXPERT_NAMES.get(cfg.family, ("mlp", {}))
+    kinds = {hf: ours for ours, hf in names.items()}
+    for key, value in hf_state_dict.items():
+        name = from_hf_name(key)
+        if cfg.is_moe and f".{block}.experts." in name:
+            prefix, rest = name.split(f".{block}.experts.", 1)
+            index, hf_kind, _ = rest.split(".")
+            experts.setdefault((prefix, kinds[hf_kind]), {})[int(index)] = value
+            continue
+        if cfg.family == "mixtral":
+            name = name.replace(f".{block}.", ".mlp.", 1)
+        out[name] = value
+    for (prefix, kind), per_expert in experts.items():
+        out[f"{prefix}.mlp.experts.{kind}"] = torch.stack([per_expert[e] for e in range(cfg.num_experts)])
+    return out
 
 
 def hf_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
@@ -107,9 +153,6 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> tuple[ModelCon
     archs = hf.get("architectures") or []
     # A config built in memory may name only its model_type; save_pretrained writes architectures.
     arch = archs[0] if archs else MODEL_TYPES.get(hf.get("model_type"))
-    if arch in LATER_ARCHITECTURES:
-        raise CheckpointError(f"{where}: {arch} ({LATER_ARCHITECTURES[arch]}) needs the MoE model, which is not "
-                              "in this version (issue #6); supported: " + ", ".join(FAMILY_OF_ARCHITECTURE))
     if arch not in FAMILY_OF_ARCHITECTURE:
         raise CheckpointError(f"{where}: architectures={archs!r} is not supported; supported: "
                               + ", ".join(FAMILY_OF_ARCHITECTURE))
@@ -117,8 +160,22 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> tuple[ModelCon
     _require(hf, "hidden_act", "silu", where)
     _require(hf, "attention_bias", False, where)
     _require(hf, "mlp_bias", False, where)
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe"):
         _require(hf, "use_sliding_window", False, where)
+    moe: dict[str, Any] = {}
+    if family == "qwen3_moe":
+        # transformers 5 writes num_local_experts; Qwen's own configs say num_experts
+        experts = hf.get("num_experts") or _field(hf, "num_local_experts", where)
+        moe = dict(num_experts=experts, moe_intermediate_size=_field(hf, "moe_intermediate_size", where),
+                   norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                   decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
+                   mlp_only_layers=list(hf.get("mlp_only_layers") or []))
+    elif family == "mixtral":
+        _require(hf, "sliding_window", None, where)
+        moe = dict(num_experts=_field(hf, "num_local_experts", where))
+    if moe:
+        moe |= dict(num_experts_per_tok=_field(hf, "num_experts_per_tok", where),
+                    router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
     theta, scaling = _rope_from_hf(hf, where)
     hidden, heads = _field(hf, "hidden_size", where), _field(hf, "num_attention_heads", where)
     head_dim = hf.get("head_dim")
@@ -138,6 +195,7 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> tuple[ModelCon
         max_position_embeddings=_field(hf, "max_position_embeddings", where),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         init_std=float(hf.get("initializer_range", ModelConfig.init_std)),
+        **moe,
     )
     dtype_name = hf.get("dtype") or hf.get("torch_dtype")
     if dtype_name is not None and dtype_name not in DTYPES:
@@ -175,8 +233,16 @@ def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype, base: dict | None
     }
     if cfg.family == "llama":
         ours["mlp_bias"] = False
-    else:
+    elif cfg.family in ("qwen3", "qwen3_moe"):
         ours["use_sliding_window"] = False
+    if cfg.family == "qwen3_moe":
+        ours |= {"num_experts": cfg.num_experts, "moe_intermediate_size": cfg.resolved_moe_intermediate_size,
+                 "norm_topk_prob": cfg.norm_topk_prob, "decoder_sparse_step": cfg.decoder_sparse_step,
+                 "mlp_only_layers": list(cfg.mlp_only_layers)}
+    elif cfg.family == "mixtral":
+        ours |= {"num_local_experts": cfg.num_experts, "sliding_window": None}
+    if cfg.is_moe:
+        ours |= {"num_experts_per_tok": cfg.num_experts_per_tok, "router_aux_loss_coef": cfg.router_aux_loss_coef}
     legacy = {"rope_theta", "rope_scaling", "torch_dtype", "transformers_version", "_name_or_path"}
     kept = {k: v for k, v in (base or {}).items() if k not in legacy and k not in ours}
     return {**kept, **ours}

@@ -104,10 +104,23 @@ def inspect_hf_dir(directory: str | pathlib.Path, expected: dict[str, torch.Size
 _TORCH_DTYPE = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 
 
+def check_expert_io(parts: list[Transformer], what: str) -> None:
+    """HF keeps one tensor per expert; meshtrain stacks them, and reads/writes each expert as a view
+    of the stack. A view of a sharded DTensor is not one, so sharded experts are refused, clearly."""
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for part in parts for n, p in part.named_parameters() if ".experts." in n):
+        raise CheckpointError(f"{what} of an MoE model ({parts[0].cfg.family}) needs its experts unsharded on "
+                              "each rank in this version: per-expert safetensors into sharded stacked experts "
+                              "land with expert parallelism (issue #6). Fix: run it on one rank (e.g. meshtrain "
+                              "convert without torchrun)")
+
+
 @torch.no_grad()
 def load_hf_weights(parts: list[Transformer], directory: str) -> None:
     """Fill this rank's model parts (any layout) from a Hugging Face directory."""
     cfg = parts[0].cfg
+    check_expert_io(parts, "importing Hugging Face weights")
     inspect_hf_dir(directory, hf_shapes(cfg))
     for part in parts:  # the same number of parts on every rank, so the collectives pair up
         state = to_hf({n: p.detach() for n, p in part.named_parameters()}, cfg)
@@ -150,6 +163,7 @@ def save_hf(parts: list[Transformer], directory: str, dtypes: dict[str, torch.dt
     """Write this job's model (every rank calls this with its parts) as a Hugging Face directory.
     ``dtypes``: HF key -> stored dtype (``export_dtypes``)."""
     cfg: ModelConfig = parts[0].cfg
+    check_expert_io(parts, "exporting Hugging Face weights")
     out = check_export_target(directory)
     tmp = out.with_name(out.name + INCOMPLETE)
     if _is_main():

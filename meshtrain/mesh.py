@@ -127,6 +127,7 @@ def plan_layout(cfg: JobConfig, world_size: int) -> Layout:
             f"use a seq_len that is a multiple of {2 * p.cp}",
         )
 
+    check_moe_model(m)
     check_expert_layout(m.family, m.num_experts, p.ep, p.etp, world_size, p.pp, p.tp, p.cp)
 
     # Tensor parallel shapes.
@@ -190,6 +191,28 @@ def plan_layout(cfg: JobConfig, world_size: int) -> Layout:
     for message in messages:
         warnings.warn(message, stacklevel=2)
     return layout
+
+
+def check_moe_model(m) -> None:
+    """The MoE fields: set on MoE families, consistent, and absent on dense ones."""
+    if not m.is_moe:
+        if m.num_experts:
+            _fail(f"model.num_experts={m.num_experts} on the dense family {m.family!r}",
+                  "use family qwen3_moe or mixtral, or set model.num_experts=0")
+        return
+    if m.num_experts < 2:
+        _fail(f"model.family={m.family} needs model.num_experts >= 2, got {m.num_experts}", "set model.num_experts")
+    if not 1 <= m.num_experts_per_tok <= m.num_experts:
+        _fail(f"model.num_experts_per_tok={m.num_experts_per_tok} must be between 1 and model.num_experts="
+              f"{m.num_experts}", "route each token to at most num_experts experts")
+    if m.decoder_sparse_step < 1:
+        _fail(f"model.decoder_sparse_step={m.decoder_sparse_step} must be >= 1", "set it to 1 for MoE in every layer")
+    bad = [i for i in m.mlp_only_layers if not 0 <= i < m.num_hidden_layers]
+    if bad:
+        _fail(f"model.mlp_only_layers={m.mlp_only_layers} names layers {bad} outside 0..{m.num_hidden_layers - 1}",
+              "list existing layer indices")
+    if m.router_aux_loss_coef < 0 or m.router_bias_update_rate < 0:
+        _fail("model.router_aux_loss_coef and model.router_bias_update_rate must be >= 0", "use 0 to disable either")
 
 
 def check_expert_layout(family: str, num_experts: int, ep: int, etp: int, world_size: int, pp: int, tp: int,

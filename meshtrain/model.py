@@ -1,4 +1,4 @@
-"""The decoder-only transformer (Llama 3 and Qwen3), in plain PyTorch.
+"""The decoder-only transformer (Llama 3, Qwen3, and with moe.py's MLP Qwen3-MoE and Mixtral), in plain PyTorch.
 
 Module names follow Hugging Face's (``layers.N.self_attn.q_proj`` ...) so that the checkpoint
 adapters are a prefix away. RoPE uses HF's rotate-half layout, so imported q/k weights need no
@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from meshtrain.config import ModelConfig, RopeScalingConfig
+from meshtrain.moe import MoE
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScalingConfig) -> torch.Tensor:
@@ -77,7 +78,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias=False)
-        self.qk_norm = cfg.family == "qwen3"
+        self.qk_norm = cfg.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -112,12 +113,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.is_sparse_layer(index) else MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -130,7 +131,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.activation_checkpointing = False
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(cfg.num_hidden_layers)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
@@ -170,10 +171,13 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def reset_buffers(self) -> None:
-        """Recompute the RoPE tables (after ``to_empty`` from the meta device)."""
+        """Recompute the RoPE tables and zero the routers' state (after ``to_empty`` from the meta device)."""
         cos, sin = rope_tables(self.cfg, device=self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.reset_state()
 
 
 def count_parameters(cfg: ModelConfig) -> int:
@@ -182,10 +186,18 @@ def count_parameters(cfg: ModelConfig) -> int:
         return sum(p.numel() for p in Transformer(cfg).parameters())
 
 
+def count_active_parameters(cfg: ModelConfig) -> int:
+    """Parameters one token uses: an MoE layer's experts count num_experts_per_tok / num_experts."""
+    with torch.device("meta"):
+        named = list(Transformer(cfg).named_parameters())
+    return sum(p.numel() * cfg.num_experts_per_tok // cfg.num_experts if ".experts." in n else p.numel()
+               for n, p in named)
+
+
 def init_std_for(name: str, cfg: ModelConfig) -> float | None:
     """Std of the normal init for a parameter, or None for ones (norm weights)."""
     if name.endswith("norm.weight"):
         return None
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
+    if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
         return cfg.init_std / math.sqrt(2 * cfg.num_hidden_layers)
     return cfg.init_std

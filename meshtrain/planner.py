@@ -171,10 +171,16 @@ def shape_from_count(total: float, active: float | None, num_experts: int, exper
 
 
 def shape_from_model_config(m: ModelConfig, name: str) -> ModelShape:
+    moe = {}
+    if m.is_moe:
+        moe = dict(num_experts=m.num_experts, experts_per_token=m.num_experts_per_tok,
+                   expert_intermediate_size=m.resolved_moe_intermediate_size,
+                   shared_expert_intermediate_size=m.shared_expert_intermediate_size,
+                   dense_layers=tuple(i for i in range(m.num_hidden_layers) if not m.is_sparse_layer(i)))
     return ModelShape(name=name, vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_layers=m.num_hidden_layers,
                       num_heads=m.num_attention_heads, num_kv_heads=m.num_key_value_heads, head_dim=m.resolved_head_dim,
-                      intermediate_size=m.intermediate_size, tied=m.tie_word_embeddings, qk_norm=m.family == "qwen3",
-                      max_position_embeddings=m.max_position_embeddings)
+                      intermediate_size=m.intermediate_size, tied=m.tie_word_embeddings, qk_norm=m.qk_norm,
+                      max_position_embeddings=m.max_position_embeddings, **moe)
 
 
 def shape_from_hf_config(hf: dict, where: str) -> ModelShape:
@@ -270,7 +276,7 @@ def parameter_tensors(s: ModelShape) -> list[ParamTensor]:
                     ParamTensor(p + "mlp.experts.down_proj", (e, h, ei), 2, expert=True, layer=i)]
             if s.shared_expert_intermediate_size:
                 si = s.shared_expert_intermediate_size
-                out += [ParamTensor(p + f"mlp.shared_expert.{n}", shp, d, layer=i) for n, shp, d in
+                out += [ParamTensor(p + f"mlp.shared_expert.{n}.weight", shp, d, layer=i) for n, shp, d in
                         (("gate_proj", (si, h), 0), ("up_proj", (si, h), 0), ("down_proj", (h, si), 1))]
         else:
             ii = s.intermediate_size

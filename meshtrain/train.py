@@ -36,7 +36,8 @@ from meshtrain.initialize import init_weights
 from meshtrain.mesh import (Layout, ParallelMesh, build_mesh, plan_layout, reshard_after_forward, resolve_schedule,
                             stage_layer_counts)
 from meshtrain.metrics import MetricsLogger, flops_per_token, memory_gib, peak_tflops
-from meshtrain.model import Transformer, count_parameters
+from meshtrain.model import Transformer, count_active_parameters, count_parameters
+from meshtrain.moe import MoE
 from meshtrain.pipeline import Pipeline, split_for_stage, stage_ids_for_rank
 from meshtrain.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from meshtrain.tensor_parallel import apply_tensor_parallel, grads_to_param_placements
@@ -45,11 +46,17 @@ from meshtrain.tensor_parallel import apply_tensor_parallel, grads_to_param_plac
 NOT_YET = {"ep": "expert parallelism (issue #6)"}
 
 
-def check_runnable(layout: Layout) -> None:
+def check_runnable(layout: Layout, cfg: JobConfig) -> None:
     for dim, what in NOT_YET.items():
         if getattr(layout, dim) > 1:
             raise ConfigError(f"parallel.{dim}={getattr(layout, dim)}: {what} is validated but not runnable "
                               f"in this version. Fix: set parallel.{dim}=1")
+    if cfg.model.is_moe:
+        for dim in ("tp", "cp"):
+            if getattr(layout, dim) > 1:
+                raise ConfigError(f"parallel.{dim}={getattr(layout, dim)} with the MoE family {cfg.model.family}: MoE "
+                                  "models run with data parallelism (FSDP) and pipelines in this version; tensor and "
+                                  f"context parallel MoE come with expert parallelism (issue #6). Fix: parallel.{dim}=1")
 
 
 def build_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device, stage: int | None = None, *,
@@ -129,7 +136,13 @@ class Trainer:
 
         self.loss_parallel = mesh.size("tp") > 1 and cfg.parallel.loss_parallel
         num_params = count_parameters(cfg.model)
-        self.flops_per_token = flops_per_token(cfg.model, t.seq_len, num_params)
+        self.active_params = count_active_parameters(cfg.model) if cfg.model.is_moe else num_params
+        self.flops_per_token = flops_per_token(cfg.model, t.seq_len, self.active_params)
+        self.moe_layers = [m for part in self.parts for m in part.modules() if isinstance(m, MoE)]
+        for moe in self.moe_layers:
+            # Without a pipeline the loss is averaged over micro-batches here; the schedule scales
+            # every gradient by 1 / micro-batches itself.
+            moe.aux_loss_scale = 1.0 if self.pipeline is not None else 1.0 / self.stream.accum
         self.peak_tflops = peak_tflops(cfg.logging, runtime.device)
         self.num_params = num_params
 
@@ -173,6 +186,7 @@ class Trainer:
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
+        expert_metrics = self.expert_load_step() if self.cfg.model.is_moe else {}
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
@@ -182,13 +196,38 @@ class Trainer:
                    "tflops_per_device": tflops, "step_time_s": elapsed, "memory_gib": memory_gib(device)}
         if self.peak_tflops:
             metrics["mfu"] = tflops / self.peak_tflops
-        return metrics
+        return metrics | expert_metrics
+
+    @torch.no_grad()
+    def expert_load_step(self) -> dict[str, float]:
+        """The step's expert load over all data-parallel ranks, per MoE layer: its imbalance (the
+        busiest expert's tokens over the mean) and aux loss, averaged over the model's MoE layers;
+        then the aux-loss-free bias update (same counts on every dp rank, so the same biases)."""
+        device = self.runtime.device
+        counts = torch.stack([m.tokens_per_expert for m in self.moe_layers]) if self.moe_layers else \
+            torch.zeros(0, self.cfg.model.num_experts, device=device)
+        dp_cp = self.mesh["dp_cp"]
+        if dp_cp.size() > 1:
+            dist.all_reduce(counts, group=dp_cp.get_group())
+        imbalance = counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-9)
+        aux = torch.tensor([float(m.mean_aux_loss()) for m in self.moe_layers], device=device)
+        sums = torch.stack([imbalance.sum(), aux.sum(), torch.tensor(float(len(self.moe_layers)), device=device)])
+        if self.mesh.size("pp") > 1:  # each stage holds its own layers
+            dist.all_reduce(sums, group=self.mesh["pp"].get_group())
+        rate = self.cfg.model.router_bias_update_rate
+        for moe, layer_counts in zip(self.moe_layers, counts):
+            if rate > 0:
+                moe.update_bias(layer_counts, rate)
+            moe.reset_statistics()
+        layers = max(sums[2].item(), 1.0)
+        return {"moe_imbalance": sums[0].item() / layers, "moe_aux_loss": sums[1].item() / layers}
 
     def fit(self) -> list[dict[str, float]]:
         cfg = self.cfg
         logger = MetricsLogger(cfg.logging, self.run_dir, cfg.train.steps, enabled=self.runtime.is_main)
         logger.info(f"layout: {self.mesh.describe(cfg.parallel)}")
-        logger.info(f"model: {cfg.model.family}, {self.num_params / 1e6:.2f}M parameters, "
+        active = f" ({self.active_params / 1e6:.2f}M active)" if cfg.model.is_moe else ""
+        logger.info(f"model: {cfg.model.family}, {self.num_params / 1e6:.2f}M parameters{active}, "
                     f"{self.flops_per_token / 1e6:.1f} MFLOP/token; grad accumulation "
                     f"{self.stream.accum} x micro batch {cfg.train.micro_batch_size}; "
                     f"{self.stream.steps_per_epoch} steps per epoch")
@@ -268,7 +307,7 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
     """Train with ``cfg`` in this process (one rank of a torchrun job, or a world of one)."""
     cfg = resolve(cfg)
     layout = plan(cfg)
-    check_runnable(layout)
+    check_runnable(layout, cfg)
     runtime = init_distributed(cfg.parallel.timeout_s)
     try:
         mesh = build_mesh(layout, runtime.device.type)

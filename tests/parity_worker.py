@@ -23,7 +23,7 @@ def main() -> None:
     out, args = sys.argv[1], sys.argv[2:]
     cfg = parse(JobConfig, args, "parity_worker")
     layout = plan_layout(cfg, world_size_from_env())
-    check_runnable(layout)
+    check_runnable(layout, cfg)
     runtime = init_distributed(cfg.parallel.timeout_s)
     try:
         mesh = build_mesh(layout, runtime.device.type)

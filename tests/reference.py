@@ -11,6 +11,7 @@ from meshtrain.config import JobConfig
 from meshtrain.data import BatchStream, PackedDataset, build_tokenizer, tokenize_corpus
 from meshtrain.initialize import init_weights
 from meshtrain.model import Transformer
+from meshtrain.moe import MoE
 from meshtrain.optim import build_lr_scheduler, build_optimizer
 
 
@@ -22,6 +23,9 @@ def reference_run(cfg: JobConfig) -> dict:
     dataset = PackedDataset(tokenize_corpus(cfg.data, build_tokenizer(cfg.data)), t.seq_len)
     stream = BatchStream(dataset, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size, dp_size=1,
                          dp_rank=0, shuffle=cfg.data.shuffle, seed=t.seed, num_workers=0)
+    moe_layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for moe in moe_layers:
+        moe.aux_loss_scale = 1.0 / stream.accum  # the loss below is averaged over the micro-batches
     optimizer = build_optimizer([model], cfg.optimizer)
     scheduler = build_lr_scheduler(optimizer, t.steps, cfg.lr_schedule)
     losses, grad_norms = [], []
@@ -36,5 +40,9 @@ def reference_run(cfg: JobConfig) -> dict:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
+        for moe in moe_layers:  # aux-loss-free balancing, from this step's load
+            if cfg.model.router_bias_update_rate > 0:
+                moe.update_bias(moe.tokens_per_expert, cfg.model.router_bias_update_rate)
+            moe.reset_statistics()
         losses.append(total)
     return {"losses": losses, "grad_norms": grad_norms, "state": model.state_dict()}

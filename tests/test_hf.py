@@ -75,7 +75,7 @@ def test_legacy_rope_spelling_reads_the_same():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"architectures": ["Qwen3MoeForCausalLM"]}, "needs the MoE model"),
+    ({"architectures": ["Qwen3MoeForCausalLM"]}, "required key 'num_local_experts' is missing"),
     ({"architectures": ["GPT2LMHeadModel"]}, "architectures=['GPT2LMHeadModel'] is not supported"),
     ({"attention_bias": True}, "attention_bias=True is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),

@@ -87,15 +87,29 @@ def test_bad_layouts_are_rejected_with_the_rule(world, parallel, model, train, m
     assert "Fix:" in str(info.value)
 
 
-def test_expert_grid_must_fit_a_stage(monkeypatch):
-    # A dense model rejects ep before the grid rule; fake an MoE model to reach it.
-    monkeypatch.setattr(type(tiny_config().model), "num_experts", property(lambda self: 8))
-    lay = plan(8, {"tp": 2, "ep": 8})  # pp1 tp2 ep8 fits 8 ranks: the grids share ranks
+MOE = {"family": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2}
+
+
+def test_expert_grid_must_fit_a_stage():
+    lay = plan(8, {"tp": 2, "ep": 8}, MOE)  # pp1 tp2 ep8 fits 8 ranks: the grids share ranks
     assert lay.ep == 8 and lay.edp == 1
     with pytest.raises(ConfigError, match=r"minimum world is pp\*max\(tp\*cp, ep\*etp\) = 16"):
-        plan(8, {"pp": 2, "tp": 2, "ep": 8})
+        plan(8, {"pp": 2, "tp": 2, "ep": 8}, MOE)
     with pytest.raises(ConfigError, match=r"num_experts=8 is not divisible by parallel.ep=3"):
-        plan(6, {"ep": 3}, train={"global_batch_size": 12})
+        plan(6, {"ep": 3}, MOE, train={"global_batch_size": 12})
+
+
+@pytest.mark.parametrize("model,message", [
+    ({"family": "qwen3_moe"}, "needs model.num_experts >= 2"),
+    (MOE | {"num_experts_per_tok": 9}, "num_experts_per_tok=9 must be between 1 and model.num_experts=8"),
+    (MOE | {"mlp_only_layers": [5]}, "names layers [5] outside 0..1"),
+    (MOE | {"decoder_sparse_step": 0}, "decoder_sparse_step=0 must be >= 1"),
+    ({"num_experts": 4}, "model.num_experts=4 on the dense family 'llama'"),
+])
+def test_moe_fields_are_checked(model, message):
+    with pytest.raises(ConfigError) as info:
+        plan(1, {}, model)
+    assert message in str(info.value) and "Fix:" in str(info.value)
 
 
 def test_warnings_not_errors():

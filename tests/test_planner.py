@@ -186,8 +186,10 @@ def test_activation_formula_matches_what_autograd_saves(family):
 
 
 def test_parameter_inventory_equals_the_model():
-    for family in ("llama", "qwen3"):
-        cfg = ModelConfig(family=family, head_dim=48 if family == "qwen3" else None)
+    moe = dict(num_experts=4, moe_intermediate_size=64, shared_expert_intermediate_size=32, mlp_only_layers=[1])
+    for family in ("llama", "qwen3", "qwen3_moe", "mixtral"):
+        cfg = ModelConfig(family=family, head_dim=48 if family == "qwen3" else None,
+                          **(moe if family in ("qwen3_moe", "mixtral") else {}))
         with torch.device("meta"):
             names = {n: tuple(p.shape) for n, p in Transformer(cfg).named_parameters()}
         assert {t.name: t.shape for t in parameter_tensors(shape_from_model_config(cfg, family))} == names
@@ -196,7 +198,9 @@ def test_parameter_inventory_equals_the_model():
 # ---- per-rank bytes vs the trainer -------------------------------------------------------------
 
 LAYOUTS = {
-    2: [("dp2", {}), ("tp2", {"parallel": {"tp": 2}}), ("pp2", {"parallel": {"pp": 2}})],
+    2: [("dp2", {}), ("tp2", {"parallel": {"tp": 2}}), ("pp2", {"parallel": {"pp": 2}}),
+        ("moe_dp2", {"model": {"family": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 32,
+                               "shared_expert_intermediate_size": 48, "mlp_only_layers": [0]}})],
     4: [("dp4", {"train": {"micro_batch_size": 1}}),
         ("tp2_dp2", {"parallel": {"tp": 2, "sp": True}}),
         ("tp2_dp2_qwen3_bf16", {"model": {"family": "qwen3"}, "parallel": {"tp": 2},

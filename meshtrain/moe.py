@@ -1,0 +1,178 @@
+"""The mixture-of-experts MLP (Qwen3-MoE, Mixtral): router, token-choice top-k dispatch, grouped experts.
+
+Routing: softmax over the router's logits (fp32), the top-k experts per token, their weights
+renormalised to sum to one when ``norm_topk_prob``. No token is dropped: every expert computes
+every token routed to it. With aux-loss-free balancing a per-expert bias is added to the scores
+for choosing the experts only (DeepSeek-V3); the weights stay the softmax probabilities.
+
+Dispatch: the token copies are sorted by expert, each expert runs its SwiGLU on its contiguous
+group (``torch._grouped_mm`` where the device has it, a loop over the groups elsewhere: the same
+arithmetic), and the weighted outputs are summed back into token order. Experts are stacked
+weights [E, ...] so that expert parallelism can shard dim 0.
+
+Load balancing: the Switch Transformer loss E * sum_i f_i * P_i (f_i: the fraction of token copies
+routed to expert i, P_i: its mean router probability), per sequence, averaged; scaled by
+``router_aux_loss_coef`` / (MoE layers) and added to the gradient directly (``AuxLoss``) rather
+than to the returned loss, so that it works unchanged inside pipeline stages. Each layer records
+its tokens per expert for the step's load metrics.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshtrain.config import ModelConfig
+
+
+class AuxLoss(torch.autograd.Function):
+    """Identity on ``x`` in forward; in backward also sends gradient ``scale`` into ``aux`` (Megatron's
+    MoEAuxLossAutoScaler): adds scale * aux to the objective without returning it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, scale: float):
+        ctx.save_for_backward(aux)
+        ctx.scale = scale
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, ctx.scale), None
+
+
+def sequence_balance_loss(probs: torch.Tensor, indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """E * sum_i f_i * P_i per sequence, averaged over the sequences: probs [B, S, E], indices
+    [B, S * k]. Per sequence (DeepSeek-V3's sequence-wise form) rather than per micro-batch, so the
+    loss does not depend on how sequences are grouped into micro-batches and data-parallel ranks."""
+    counts = torch.zeros(probs.shape[0], num_experts, device=probs.device).scatter_add_(
+        1, indices, torch.ones_like(indices, dtype=torch.float))
+    fraction = counts / indices.shape[1]
+    return num_experts * (fraction * probs.mean(dim=1)).sum(dim=-1).mean()
+
+
+class Router(nn.Module):
+    """HF's ``mlp.gate``: a bias-free linear map from hidden states to one logit per expert."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.top_k = cfg.num_experts_per_tok
+        self.normalize = cfg.norm_topk_prob or cfg.family == "mixtral"
+        # Aux-loss-free balancing: persistent (it is training state), updated outside autograd.
+        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts), persistent=cfg.router_bias_update_rate > 0)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [tokens, hidden] -> router probabilities [tokens, E] (fp32), top-k weights and indices."""
+        probs = F.linear(x, self.weight).float().softmax(dim=-1)
+        if self.expert_bias.any():
+            indices = torch.topk(probs + self.expert_bias, self.top_k, dim=-1).indices
+            weights = probs.gather(-1, indices)
+        else:
+            weights, indices = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return probs, weights.to(x.dtype), indices
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts as stacked weights: gate_proj/up_proj [E, I, hidden], down_proj [E, hidden, I]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, i, h = cfg.num_experts, cfg.resolved_moe_intermediate_size, cfg.hidden_size
+        self.gate_proj = nn.Parameter(torch.empty(e, i, h))
+        self.up_proj = nn.Parameter(torch.empty(e, i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [N, hidden]: token copies sorted by expert, ``counts[e]`` of them for local expert e."""
+        if grouped_mm_available(x):
+            offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+            gate = torch._grouped_mm(x, self.gate_proj.transpose(-2, -1), offs=offsets)
+            up = torch._grouped_mm(x, self.up_proj.transpose(-2, -1), offs=offsets)
+            return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets)
+        outs = []
+        for e, group in enumerate(torch.split(x, counts.tolist())):
+            hidden = F.silu(group @ self.gate_proj[e].t()) * (group @ self.up_proj[e].t())
+            outs.append(hidden @ self.down_proj[e].t())
+        return torch.cat(outs)
+
+
+def grouped_mm_available(x: torch.Tensor) -> bool:
+    """torch._grouped_mm runs on CUDA (sm90+) in bf16; everything else takes the loop."""
+    return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") \
+        and torch.cuda.get_device_capability(x.device) >= (9, 0)
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        i, h = cfg.shared_expert_intermediate_size, cfg.hidden_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        self.shared_expert = SharedExpert(cfg) if cfg.shared_expert_intermediate_size else None
+        moe_layers = sum(cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers))
+        self.aux_coef = cfg.router_aux_loss_coef / max(1, moe_layers)
+        self.aux_loss_scale = 1.0
+        """Set by the trainer: 1 / micro-batches without a pipeline (the loss is averaged over them
+        there), 1 under a pipeline (the schedule scales every gradient by 1 / micro-batches)."""
+        # The step's statistics, for the load metrics (reset by the trainer after each step).
+        self.register_buffer("tokens_per_expert", torch.zeros(cfg.num_experts), persistent=False)
+        self.aux_loss_sum, self.aux_loss_count = 0.0, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        probs, weights, indices = self.gate(flat)
+        expert_of_copy = indices.reshape(-1)
+        order = torch.argsort(expert_of_copy, stable=True)
+        token_of_copy = order // self.top_k
+        counts = torch.bincount(expert_of_copy, minlength=self.num_experts)
+        out = self.experts(flat[token_of_copy], counts)
+        out = out * weights.reshape(-1, 1)[order]
+        combined = torch.zeros_like(flat).index_add_(0, token_of_copy, out)
+        if self.shared_expert is not None:
+            combined = combined + self.shared_expert(flat)
+        recompute = torch._C._current_graph_task_id() != -1  # activation checkpointing, in backward
+        if not recompute:
+            with torch.no_grad():
+                self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
+        if self.training and torch.is_grad_enabled() and self.aux_coef > 0:
+            aux = sequence_balance_loss(probs.view(shape[0], -1, self.num_experts),
+                                        indices.view(shape[0], -1), self.num_experts)
+            if not recompute:
+                self.aux_loss_sum += aux.detach()
+                self.aux_loss_count += 1
+            combined = AuxLoss.apply(combined, aux, self.aux_coef * self.aux_loss_scale)
+        return combined.reshape(shape)
+
+    @torch.no_grad()
+    def reset_state(self) -> None:
+        self.reset_statistics()
+        self.gate.expert_bias.zero_()
+
+    def reset_statistics(self) -> None:
+        self.tokens_per_expert.zero_()
+        self.aux_loss_sum, self.aux_loss_count = 0.0, 0
+
+    def mean_aux_loss(self) -> float | torch.Tensor:
+        return self.aux_loss_sum / max(1, self.aux_loss_count)
+
+    @torch.no_grad()
+    def update_bias(self, tokens_per_expert: torch.Tensor, rate: float) -> None:
+        """Aux-loss-free balancing step: raise the bias of under-loaded experts, lower the others'."""
+        self.gate.expert_bias += rate * torch.sign(tokens_per_expert.mean() - tokens_per_expert)

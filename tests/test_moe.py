@@ -1,0 +1,191 @@
+"""The MoE model (Qwen3-MoE, Mixtral): logits equal transformers' on the same weights, the HF
+names and config.json both ways, routing, the load-balancing loss, and single-process training."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from meshtrain.config import ModelConfig
+from meshtrain.hf_adapter import from_hf, hf_config_from_model, hf_shapes, model_config_from_hf, to_hf
+from meshtrain.initialize import init_weights
+from meshtrain.model import Transformer
+from meshtrain.moe import MoE
+from tests.hf_models import read_tensors
+from tests.test_parallel import assert_matches_reference, reference, run_layout
+
+CONFIGS = {
+    "qwen3_moe": lambda **kw: transformers.Qwen3MoeConfig(**({
+        "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "num_experts": 8, "num_experts_per_tok": 2, "mlp_only_layers": [0], "norm_topk_prob": True,
+        "max_position_embeddings": 128} | kw)),
+    "mixtral": lambda **kw: transformers.MixtralConfig(**({
+        "vocab_size": 256, "hidden_size": 64, "intermediate_size": 48, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "max_position_embeddings": 128} | kw)),
+}
+
+
+def hf_dir(tmp_path, family: str, **kw):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[family](**kw)).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith("gate.weight"):  # random routers: every expert gets tokens
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(tmp_path / family)
+    return model, tmp_path / family
+
+
+def meshtrain_from(directory) -> Transformer:
+    cfg, _ = model_config_from_hf(json.loads((directory / "config.json").read_text()))
+    model = Transformer(cfg)
+    init_weights(model, 0)
+    model.load_state_dict(from_hf(read_tensors(directory), cfg), strict=True)
+    return model.eval()
+
+
+@pytest.mark.parametrize("family,kw", [("qwen3_moe", {}), ("qwen3_moe", {"norm_topk_prob": False}),
+                                       ("qwen3_moe", {"decoder_sparse_step": 2, "mlp_only_layers": []}),
+                                       ("mixtral", {})])
+def test_logits_equal_transformers(tmp_path, family, kw):
+    hf, directory = hf_dir(tmp_path, family, **kw)
+    ours = meshtrain_from(directory)
+    assert sum(isinstance(m, MoE) for m in ours.modules()) == sum(
+        ours.cfg.is_sparse_layer(i) for i in range(ours.cfg.num_hidden_layers)) > 0
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(tokens).logits
+        got = ours(tokens)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_names_and_config_round_trip_bit_exact(tmp_path, family):
+    _, directory = hf_dir(tmp_path, family)
+    stored = read_tensors(directory)
+    model = meshtrain_from(directory)
+    exported = to_hf({n: p.detach() for n, p in model.named_parameters()}, model.cfg)
+    assert exported.keys() == stored.keys()
+    for key, value in stored.items():
+        assert torch.equal(exported[key], value), key
+    assert {k: tuple(v) for k, v in hf_shapes(model.cfg).items()} == {k: tuple(v.shape) for k, v in stored.items()}
+    hf_json = json.loads((directory / "config.json").read_text())
+    back = hf_config_from_model(model.cfg, torch.float32, hf_json)
+    assert model_config_from_hf(back)[0] == model.cfg
+    reloaded = transformers.AutoConfig.for_model(**{k: v for k, v in back.items() if k != "architectures"})
+    assert reloaded.num_experts_per_tok == model.cfg.num_experts_per_tok
+
+
+def test_router_top_k_normalisation_and_bias():
+    cfg = ModelConfig(family="qwen3_moe", num_experts=4, num_experts_per_tok=2, hidden_size=8)
+    moe = MoE(cfg)
+    init_weights_like(moe)
+    x = torch.randn(16, 8)
+    probs, weights, indices = moe.gate(x)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(16))
+    assert torch.equal(indices, probs.topk(2, dim=-1).indices)
+    moe.gate.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 10.0]))  # selection only: expert 3 always chosen
+    probs, weights, indices = moe.gate(x)
+    assert (indices == 3).any(-1).all()
+    torch.testing.assert_close(weights.sum(-1), torch.ones(16))
+
+
+def init_weights_like(module):
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0.0, 0.5)
+    module.reset_state()
+
+
+def test_load_balancing_loss_and_expert_load():
+    """With the output's own gradient zero, the router's gradient is exactly that of
+    coef * E * sum_i f_i P_i; and tokens per expert are counted."""
+    cfg = ModelConfig(family="mixtral", num_experts=4, num_experts_per_tok=2, hidden_size=8, intermediate_size=16,
+                      num_hidden_layers=1, router_aux_loss_coef=0.5)
+    moe = MoE(cfg).train()
+    init_weights_like(moe)
+    x = torch.randn(2, 8, 8)
+    (moe(x) * 0).sum().backward()
+    assert moe.tokens_per_expert.sum() == 2 * 8 * 2
+    w = moe.gate.weight.detach().requires_grad_()
+    probs = (x.reshape(-1, 8) @ w.t()).softmax(-1)
+    aux = 0
+    for seq in probs.view(2, 8, 4):  # per sequence, then the mean
+        counts = torch.bincount(seq.topk(2, dim=-1).indices.reshape(-1), minlength=4).float()
+        aux = aux + 4 * (counts / counts.sum() * seq.mean(0)).sum() / 2
+    (0.5 * aux).backward()
+    torch.testing.assert_close(moe.gate.weight.grad, w.grad, rtol=1e-5, atol=1e-8)
+    assert float(moe.mean_aux_loss()) == pytest.approx(aux.item(), rel=1e-6)
+
+
+def test_bias_balancing_moves_towards_uniform_load():
+    cfg = ModelConfig(family="mixtral", num_experts=4, num_experts_per_tok=1, hidden_size=8, router_bias_update_rate=0.1)
+    moe = MoE(cfg)
+    init_weights_like(moe)
+    moe.update_bias(torch.tensor([10.0, 0.0, 5.0, 5.0]), 0.1)
+    torch.testing.assert_close(moe.gate.expert_bias, torch.tensor([-0.1, 0.1, 0.0, 0.0]))
+
+
+MOE_ARGS = ("--model.family", "qwen3_moe", "--model.num-experts", "4", "--model.num-experts-per-tok", "2",
+            "--model.moe-intermediate-size", "32")
+MOE_LAYOUTS = {  # name: (ranks, options, extra model options)
+    "fsdp2": (2, ["--parallel.dp-shard", "2"], ()),
+    "hsdp2x2-bias-balancing": (4, ["--parallel.dp-replicate", "2"], ("--model.router-bias-update-rate", "0.01")),
+    "pp2": (2, ["--parallel.pp", "2"], ("--model.num-hidden-layers", "4", "--model.mlp-only-layers", "0")),
+    "pp2-dp2-checkpointed": (4, ["--parallel.pp", "2", "--train.activation-checkpointing", "True"],
+                             ("--model.num-hidden-layers", "4")),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MOE_LAYOUTS)
+def test_moe_layout_equals_single_rank(tmp_path, name):
+    """Loss, grad norm (aux loss included) and final weights (routing biases included) per step."""
+    nproc, layout, extra = MOE_LAYOUTS[name]
+    got = run_layout(tmp_path, nproc, layout, MOE_ARGS + extra)
+    assert_matches_reference(got, reference(MOE_ARGS + extra))
+
+
+def convert(*args, nproc: int = 1):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, torchrun
+
+    if nproc > 1:
+        return torchrun(nproc, ["-m", "meshtrain", "convert", *args])
+    return subprocess.run([sys.executable, "-m", "meshtrain", "convert", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_convert_round_trip_is_bit_exact(tmp_path, family):
+    """hf -> dcp -> hf on one rank: byte-identical tensors, and transformers loads the export."""
+    hf, directory = hf_dir(tmp_path, family)
+    for src, dst in ((directory, tmp_path / "dcp"), (tmp_path / "dcp", tmp_path / "hf")):
+        proc = convert("--src", str(src), "--dst", str(dst))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "verified" in proc.stdout
+    from tests.hf_models import assert_same_tensors
+
+    assert_same_tensors(read_tensors(directory), read_tensors(tmp_path / "hf"))
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokens = torch.randint(0, 256, (1, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(again(tokens).logits, hf(tokens).logits)
+
+
+@pytest.mark.slow
+def test_sharded_moe_import_is_refused_clearly(tmp_path):
+    _, directory = hf_dir(tmp_path, "mixtral")
+    proc = convert("--src", str(directory), "--dst", str(tmp_path / "dcp"), nproc=2)
+    assert proc.returncode != 0
+    assert "needs its experts unsharded on each rank in this version" in proc.stderr
+    assert not (tmp_path / "dcp").exists()
