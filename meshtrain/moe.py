@@ -6,8 +6,9 @@ every token routed to it. With aux-loss-free balancing a per-expert bias is adde
 for choosing the experts only (DeepSeek-V3); the weights stay the softmax probabilities.
 
 Dispatch: the token copies are sorted by expert, each expert runs its SwiGLU on its contiguous
-group (``torch._grouped_mm`` where the device has it, a loop over the groups elsewhere: the same
-arithmetic), and the weighted outputs are summed back into token order. Experts are stacked
+group (a loop over the groups; CUDA's ``torch._grouped_mm`` wants groups padded to an alignment and
+comes with expert parallelism, where it can be measured on a GPU), and the weighted outputs are
+summed back into token order. Experts are stacked
 weights [E, ...] so that expert parallelism can shard dim 0.
 
 Load balancing: the Switch Transformer loss E * sum_i f_i * P_i (f_i: the fraction of token copies
@@ -88,22 +89,11 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [N, hidden]: token copies sorted by expert, ``counts[e]`` of them for local expert e."""
-        if grouped_mm_available(x):
-            offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-            gate = torch._grouped_mm(x, self.gate_proj.transpose(-2, -1), offs=offsets)
-            up = torch._grouped_mm(x, self.up_proj.transpose(-2, -1), offs=offsets)
-            return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets)
         outs = []
         for e, group in enumerate(torch.split(x, counts.tolist())):
             hidden = F.silu(group @ self.gate_proj[e].t()) * (group @ self.up_proj[e].t())
             outs.append(hidden @ self.down_proj[e].t())
         return torch.cat(outs)
-
-
-def grouped_mm_available(x: torch.Tensor) -> bool:
-    """torch._grouped_mm runs on CUDA (sm90+) in bf16; everything else takes the loop."""
-    return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") \
-        and torch.cuda.get_device_capability(x.device) >= (9, 0)
 
 
 class SharedExpert(nn.Module):
