@@ -96,25 +96,14 @@ class Experts(nn.Module):
         return torch.cat(outs)
 
 
-class SharedExpert(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        i, h = cfg.shared_expert_intermediate_size, cfg.hidden_size
-        self.gate_proj = nn.Linear(h, i, bias=False)
-        self.up_proj = nn.Linear(h, i, bias=False)
-        self.down_proj = nn.Linear(i, h, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shared_expert: nn.Module | None = None):
+        """``shared_expert``: a dense MLP every token also goes through (the model builds it)."""
         super().__init__()
         self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
         self.gate = Router(cfg)
         self.experts = Experts(cfg)
-        self.shared_expert = SharedExpert(cfg) if cfg.shared_expert_intermediate_size else None
+        self.shared_expert = shared_expert
         moe_layers = sum(cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers))
         self.aux_coef = cfg.router_aux_loss_coef / max(1, moe_layers)
         self.aux_loss_scale = 1.0
