@@ -22,10 +22,13 @@ MIXED_PRECISION = {
 
 
 def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, *, mixed_precision: str,
-               reshard_after_forward: bool) -> None:
+               reshard_after_forward: bool, ignored: set[torch.nn.Parameter] = frozenset()) -> None:
+    """``ignored``: parameters FSDP leaves alone (expert-parallel experts, reduced by expert_parallel)."""
     policy = MIXED_PRECISION[mixed_precision]
     for layer in model.layers.values():
-        fully_shard(layer, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        mine = {p for p in layer.parameters() if p in ignored}
+        fully_shard(layer, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
+                    ignored_params=mine or None)
     # The root's parameters (embedding, norm, lm_head) are used again first thing in backward:
     # keeping them unsharded after forward saves an all-gather for little memory.
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False)

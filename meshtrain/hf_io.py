@@ -111,8 +111,8 @@ def check_expert_io(parts: list[Transformer], what: str) -> None:
 
     if any(isinstance(p, DTensor) for part in parts for n, p in part.named_parameters() if ".experts." in n):
         raise CheckpointError(f"{what} of an MoE model ({parts[0].cfg.family}) needs its experts unsharded on "
-                              "each rank in this version: per-expert safetensors into sharded stacked experts "
-                              "land with expert parallelism (issue #6). Fix: run it on one rank (e.g. meshtrain "
+                              "each rank in this version (reading per-expert safetensors into experts sharded by "
+                              "FSDP or EP is issue #7). Fix: run it on one rank (e.g. meshtrain "
                               "convert without torchrun)")
 
 

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from dataclasses import dataclass
@@ -320,11 +321,19 @@ class ParallelMesh:
     dp_cp: DeviceMesh
     fsdp: DeviceMesh
     """dp_shard_cp, or the 2-D (dp_replicate, dp_shard_cp) mesh for HSDP."""
+    experts: DeviceMesh | None = None
+    """The expert grid (edp, ep, etp), when the layout has expert parallelism."""
 
     def __getitem__(self, dim: str) -> DeviceMesh:
+        if dim in EXPERT_DIMS:
+            if self.experts is None:
+                raise KeyError(f"mesh dim {dim!r}: this layout has no expert parallelism")
+            return self.experts[dim]
         return getattr(self, dim) if dim in FLATTENED_DIMS else self.world[dim]
 
     def size(self, dim: str) -> int:
+        if dim in EXPERT_DIMS and self.experts is None:
+            return 1
         return self[dim].size()
 
     @property
@@ -334,11 +343,12 @@ class ParallelMesh:
     def describe(self, parallel: ParallelConfig) -> str:
         """The layout line; the config adds what is not a mesh dim (SP, virtual stages, schedule)."""
         schedule = resolve_schedule(parallel.pp_schedule, parallel.vpp) if self.size("pp") > 1 else ""
-        return describe_sizes({d: self.size(d) for d in DENSE_DIMS}, self.world.size(),
-                              extras=layout_extras(parallel.sp, parallel.vpp, schedule))
+        return describe_sizes({d: self.size(d) for d in DENSE_DIMS}, self.world.size(), ep=self.size("ep"),
+                              extras=layout_extras(parallel.sp, parallel.vpp, schedule, self.size("etp")))
 
 
 FLATTENED_DIMS = ("dp", "dp_shard_cp", "dp_cp", "fsdp")
+EXPERT_DIMS = ("edp", "ep", "etp")
 
 
 def build_mesh(layout: Layout, device_type: str) -> ParallelMesh:
@@ -353,7 +363,10 @@ def build_mesh(layout: Layout, device_type: str) -> ParallelMesh:
         fsdp = unflatten(dp_cp, (layout.dp_replicate, layout.dp_shard * layout.cp), ("dp_replicate", "dp_shard_cp"))
     else:
         fsdp = dp_shard_cp
-    return ParallelMesh(world, flatten(world, ("dp_replicate", "dp_shard"), "dp"), dp_shard_cp, dp_cp, fsdp)
+    mesh = ParallelMesh(world, flatten(world, ("dp_replicate", "dp_shard"), "dp"), dp_shard_cp, dp_cp, fsdp)
+    if layout.ep * layout.etp > 1:
+        mesh = dataclasses.replace(mesh, experts=build_expert_mesh(mesh, layout))
+    return mesh
 
 
 def build_expert_mesh(mesh: ParallelMesh, layout: Layout) -> DeviceMesh:

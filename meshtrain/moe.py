@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meshtrain.config import ModelConfig
 
@@ -89,11 +90,15 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [N, hidden]: token copies sorted by expert, ``counts[e]`` of them for local expert e."""
+        # Under expert parallelism the weights are DTensors sharded over experts: compute on this
+        # rank's experts (to_local is differentiable, so the gradients land in the DTensors).
+        gate, up, down = (w.to_local() if isinstance(w, DTensor) else w
+                          for w in (self.gate_proj, self.up_proj, self.down_proj))
         outs = []
         for e, group in enumerate(torch.split(x, counts.tolist())):
-            hidden = F.silu(group @ self.gate_proj[e].t()) * (group @ self.up_proj[e].t())
-            outs.append(hidden @ self.down_proj[e].t())
-        return torch.cat(outs)
+            hidden = F.silu(group @ gate[e].t()) * (group @ up[e].t())
+            outs.append(hidden @ down[e].t())
+        return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
 
 
 class MoE(nn.Module):

@@ -24,10 +24,12 @@ def build_optimizer(parts: list[nn.Module], cfg: OptimizerConfig) -> torch.optim
     """One AdamW over the model parts of this rank (several pipeline stages, or the whole model)."""
     # Keyed by (decays, is a DTensor): foreach kernels refuse a list mixing DTensors and plain
     # tensors, which tensor parallelism without FSDP gives (Qwen3's replicated q/k norms beside plain norms).
-    groups: dict[tuple[bool, bool], list] = {}
+    # Keyed by the mesh too: expert-parallel experts are DTensors on another mesh than FSDP's.
+    groups: dict[tuple[bool, str], list] = {}
     for part in parts:
         for p in part.parameters():
-            groups.setdefault((p.ndim >= 2, isinstance(p, DTensor)), []).append(p)  # norm weights are 1-D
+            kind = str(p.device_mesh.mesh_dim_names) if isinstance(p, DTensor) else ""
+            groups.setdefault((p.ndim >= 2, kind), []).append(p)  # norm weights are 1-D
     groups = [{"params": params, "weight_decay": cfg.weight_decay if decays else 0.0}
               for (decays, _), params in sorted(groups.items(), reverse=True)]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
+from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from meshtrain.checkpoint import Checkpointer, check_architecture, read_meta
 from meshtrain.config import JobConfig, dump_yaml
@@ -30,6 +30,7 @@ from meshtrain.data_parallel import apply_fsdp
 from meshtrain.distributed import (Runtime, collective_error, init_distributed, is_collective_failure, shutdown,
                                    world_size_from_env)
 from meshtrain.errors import ConfigError, TrainingError
+from meshtrain.expert_parallel import ExpertParallel, expert_parameters, reduce_expert_grads
 from meshtrain.hf_adapter import read_hf_config, resolve_init_from_hf
 from meshtrain.hf_io import check_export_target, export_dtypes, load_hf_weights, save_hf, tokenizer_files
 from meshtrain.initialize import init_weights
@@ -43,7 +44,7 @@ from meshtrain.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from meshtrain.tensor_parallel import apply_tensor_parallel, grads_to_param_placements
 
 # Layout features whose runtime lands with later issues; validated already, refused clearly.
-NOT_YET = {"ep": "expert parallelism (issue #6)"}
+NOT_YET = {"etp": "tensor parallelism inside experts (issue #6)"}
 
 
 def check_runnable(layout: Layout, cfg: JobConfig) -> None:
@@ -55,8 +56,8 @@ def check_runnable(layout: Layout, cfg: JobConfig) -> None:
         for dim in ("tp", "cp"):
             if getattr(layout, dim) > 1:
                 raise ConfigError(f"parallel.{dim}={getattr(layout, dim)} with the MoE family {cfg.model.family}: MoE "
-                                  "models run with data parallelism (FSDP) and pipelines in this version; tensor and "
-                                  f"context parallel MoE come with expert parallelism (issue #6). Fix: parallel.{dim}=1")
+                                  "models run with data parallelism (FSDP), expert parallelism folded over it, and pipelines "
+                                  f"in this version (tensor and context parallel MoE: issue #6). Fix: parallel.{dim}=1")
 
 
 def build_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device, stage: int | None = None, *,
@@ -71,9 +72,16 @@ def build_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device, stage:
     if mesh.size("tp") > 1:
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=cfg.parallel.sp,
                               loss_parallel=cfg.parallel.loss_parallel)
+    experts: set[torch.nn.Parameter] = set()
+    if mesh.size("ep") > 1:
+        for module in model.modules():
+            if isinstance(module, MoE):
+                parallelize_module(module.experts, mesh["ep"], ExpertParallel())
+                experts.update(module.experts.parameters())
     if mesh.size("dp_cp") > 1:
         apply_fsdp(model, mesh.fsdp, mixed_precision=cfg.train.mixed_precision,
-                   reshard_after_forward=reshard_after_forward(cfg.parallel.fsdp_reshard_after_forward, mesh.size("pp")))
+                   reshard_after_forward=reshard_after_forward(cfg.parallel.fsdp_reshard_after_forward, mesh.size("pp")),
+                   ignored=experts)
     elif cfg.train.mixed_precision == "bf16":
         model.forward = torch.autocast(device.type, dtype=torch.bfloat16)(model.forward)  # FSDP's policy casts otherwise
     model.to_empty(device=device)
@@ -120,6 +128,7 @@ class Trainer:
         else:
             self.parts = [build_model(cfg, mesh, runtime.device, initialize=from_scratch)]
         self.params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
+        self.expert_params = [p for part in self.parts for p in expert_parameters(part)] if mesh.size("ep") > 1 else []
         # One optimizer per part: torch's optimizer state dicts are per (module, optimizer) pair.
         self.optimizers = [build_optimizer([part], cfg.optimizer) for part in self.parts]
         self.schedulers = [build_lr_scheduler(opt, t.steps, cfg.lr_schedule) for opt in self.optimizers]
@@ -175,6 +184,10 @@ class Trainer:
             raise TrainingError(f"the loss became {loss_value} at step {self.step}; training stopped before "
                                 "the optimizer step. Fix: lower optimizer.lr, raise lr_schedule.warmup_steps, "
                                 "or enable train.grad_clip")
+        if self.expert_params:
+            edp = self.mesh["edp"]
+            reduce_expert_grads(self.expert_params, edp.get_group() if edp.size() > 1 else None,
+                                self.mesh.world.size() // self.mesh.size("pp"))
         grads_to_param_placements(self.params)
         grad_norm = clip_grad_norm_(self.params, t.grad_clip, self.mesh).item()
         if not math.isfinite(grad_norm):

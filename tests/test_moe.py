@@ -135,12 +135,20 @@ def test_bias_balancing_moves_towards_uniform_load():
 
 MOE_ARGS = ("--model.family", "qwen3_moe", "--model.num-experts", "4", "--model.num-experts-per-tok", "2",
             "--model.moe-intermediate-size", "32")
-MOE_LAYOUTS = {  # name: (ranks, options, extra model options)
-    "fsdp2": (2, ["--parallel.dp-shard", "2"], ()),
-    "hsdp2x2-bias-balancing": (4, ["--parallel.dp-replicate", "2"], ("--model.router-bias-update-rate", "0.01")),
-    "pp2": (2, ["--parallel.pp", "2"], ("--model.num-hidden-layers", "4", "--model.mlp-only-layers", "0")),
+MOE_LAYOUTS = {  # name: (ranks, options, extra model options, layout line)
+    "fsdp2": (2, ["--parallel.dp-shard", "2"], (), "DP2"),
+    "hsdp2x2-bias-balancing": (4, ["--parallel.dp-replicate", "2"], ("--model.router-bias-update-rate", "0.01"),
+                               "HSDP 2x2"),
+    "pp2": (2, ["--parallel.pp", "2"], ("--model.num-hidden-layers", "4", "--model.mlp-only-layers", "0"), "PP2"),
     "pp2-dp2-checkpointed": (4, ["--parallel.pp", "2", "--train.activation-checkpointing", "True"],
-                             ("--model.num-hidden-layers", "4")),
+                             ("--model.num-hidden-layers", "4"), "PP2 DP2"),
+    # expert parallel, folded over the data-parallel ranks; edp = world / (pp * ep)
+    "ep2": (2, ["--parallel.ep", "2"], (), "DP2 CP1 EP2"),
+    "ep4": (4, ["--parallel.ep", "4"], (), "DP4 CP1 EP4"),
+    "ep2-edp2": (4, ["--parallel.ep", "2"], (), "DP4 CP1 EP2"),
+    "pp2-ep2": (4, ["--parallel.pp", "2", "--parallel.ep", "2"], ("--model.num-hidden-layers", "4"), "PP2 DP2 CP1 EP2"),
+    "hsdp2x2-ep2-bias-balancing": (4, ["--parallel.dp-replicate", "2", "--parallel.ep", "2"],
+                                   ("--model.router-bias-update-rate", "0.01"), "EP2 [HSDP 2x2]"),
 }
 
 
@@ -148,8 +156,9 @@ MOE_LAYOUTS = {  # name: (ranks, options, extra model options)
 @pytest.mark.parametrize("name", MOE_LAYOUTS)
 def test_moe_layout_equals_single_rank(tmp_path, name):
     """Loss, grad norm (aux loss included) and final weights (routing biases included) per step."""
-    nproc, layout, extra = MOE_LAYOUTS[name]
+    nproc, layout, extra, line = MOE_LAYOUTS[name]
     got = run_layout(tmp_path, nproc, layout, MOE_ARGS + extra)
+    assert line in got["layout"], got["layout"]
     assert_matches_reference(got, reference(MOE_ARGS + extra))
 
 
