@@ -1,3 +1,3 @@
-from meshtrain.cli import main
+from meshtrain.cli import entry
 
-main()
+entry()

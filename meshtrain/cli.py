@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Callable
+from typing import Callable, NoReturn
 
 import tyro
 
@@ -81,3 +81,17 @@ def main(argv: list[str] | None = None) -> None:
             prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
             print(f"meshtrain: error: {prefix}{e}", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+def entry() -> NoReturn:
+    """The program (``meshtrain`` / ``python -m meshtrain``): ``main``, then ``exit_process``."""
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        if e.code is not None and not isinstance(e.code, int):
+            raise  # a message for Python to print
+        code = e.code or 0
+    from meshtrain.distributed import exit_process  # torch is loaded by then whenever it matters
+
+    exit_process(code)

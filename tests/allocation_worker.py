@@ -15,7 +15,7 @@ import sys
 import torch
 from torch.distributed.tensor import DTensor
 
-from meshtrain.distributed import init_distributed, shutdown
+from meshtrain.distributed import exit_process, init_distributed, shutdown
 from meshtrain.mesh import build_mesh, plan_layout
 from meshtrain.train import Trainer
 from tests.conftest import tiny_config
@@ -60,8 +60,11 @@ def main() -> None:
             record |= {"pp_rank": mesh["pp"].get_local_rank(), "tp_rank": mesh["tp"].get_local_rank(),
                        "fsdp_rank": mesh["dp_shard_cp"].get_local_rank()}
             (out / f"{spec['name']}.rank{runtime.rank}.json").write_text(json.dumps(record))
-    finally:
-        shutdown(synchronize=True)
+    except BaseException:
+        shutdown()
+        raise
+    shutdown(synchronize=True)
+    exit_process(0)  # see exit_process: a clean exit without gloo's teardown race
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.experimental._attention import context_parallel_unshard, set_rotate_method
 
 from meshtrain._torch_cp import cpu_context_parallel
+from meshtrain.distributed import exit_process, shutdown
 
 
 def main() -> None:
@@ -40,9 +41,11 @@ def main() -> None:
         for name, a, b in zip(("out", "grad_q", "grad_k", "grad_v"), got, want):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6, msg=f"{name} on cp{world} ({sys.argv[1]})")
         assert torch.equal(local[0], q), "the buffers are restored on exit"
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        shutdown()
+        raise
+    shutdown(synchronize=True)
+    exit_process(0)  # see exit_process: a clean exit without gloo's teardown race
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from meshtrain.cli import parse
 from meshtrain.config import JobConfig
-from meshtrain.distributed import init_distributed, shutdown, world_size_from_env
+from meshtrain.distributed import exit_process, init_distributed, shutdown, world_size_from_env
 from meshtrain.mesh import build_mesh, plan_layout
 from meshtrain.train import Trainer, resolve
 
@@ -73,8 +73,11 @@ def main() -> None:
         if logits is not None and trainer.mesh["dp"].get_local_rank() == 0 and trainer.mesh["tp"].get_local_rank() == 0:
             torch.save(logits, out / "logits.pt")
         trainer.export_hf(str(out / "hf"))
-    finally:
+    except BaseException:
         shutdown()
+        raise
+    shutdown(synchronize=True)
+    exit_process(0)  # see exit_process: a clean exit without gloo's teardown race
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ import dataclasses
 
 import torch.distributed as dist
 
-from meshtrain.distributed import init_distributed, shutdown
+from meshtrain.distributed import exit_process, init_distributed, shutdown
 from meshtrain.mesh import build_expert_mesh, build_mesh, plan_layout
 from tests.conftest import tiny_config
 
@@ -39,8 +39,11 @@ def main() -> None:
         assert group(expert["etp"]) == [r - r % 2, r - r % 2 + 1]
         assert group(expert["ep"]) == [(r // 4) * 4 + r % 2 + 2 * i for i in range(2)]
         assert group(expert["edp"]) == [r % 4 + 4 * i for i in range(2)]
-    finally:
+    except BaseException:
         shutdown()
+        raise
+    shutdown(synchronize=True)
+    exit_process(0)  # see exit_process: a clean exit without gloo's teardown race
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from meshtrain.cli import parse
 from meshtrain.config import JobConfig
-from meshtrain.distributed import init_distributed, shutdown, world_size_from_env
+from meshtrain.distributed import exit_process, init_distributed, shutdown, world_size_from_env
 from meshtrain.mesh import build_mesh, plan_layout
 from meshtrain.train import Trainer, check_runnable
 from tests.comm_counter import CollectiveCounter
@@ -50,8 +50,11 @@ def main() -> None:
                 "comm_counts": dict(comm.counts),
                 "comm_counts_step2": dict(comm2.counts),
             }, out)
-    finally:
+    except BaseException:
         shutdown()
+        raise
+    shutdown(synchronize=True)
+    exit_process(0)  # see exit_process: a clean exit without gloo's teardown race
 
 
 if __name__ == "__main__":
