@@ -16,7 +16,7 @@ from meshtrain.config import JobConfig
 from meshtrain.distributed import exit_process, init_distributed, shutdown, world_size_from_env
 from meshtrain.mesh import build_mesh, plan_layout
 from meshtrain.train import Trainer, check_runnable
-from tests.comm_counter import CollectiveCounter
+from meshtrain.comm_counter import CollectiveCounter
 
 
 def main() -> None:

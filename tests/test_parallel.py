@@ -66,8 +66,11 @@ def expected_collectives(name: str, counts: dict) -> None:
     fsdp = {"_allgather_base": 2 * L + 1, "_reduce_scatter_base": L + 1}  # per micro-batch: fwd+bwd gathers
     if name == "dp2":  # accumulation 8 / (2 * 2) = 2 micro-batches
         assert counts == {k: 2 * v for k, v in fsdp.items()} | {"allreduce": 2}
-    elif name == "tp2":  # no SP: every TP collective is an all-reduce, none gathers or scatters
-        assert counts.keys() == {"all_reduce", "allreduce"} and counts["allreduce"] == 1
+    elif name == "tp2":
+        # no SP: every TP collective is an all-reduce. Per micro-batch (4): forward one after each
+        # block's row-parallel projection and one after the vocab-parallel embedding; backward one
+        # per block at its shared input and one at the lm_head's input: 2 * (2L + 1).
+        assert counts == {"all_reduce": 4 * 2 * (2 * L + 1), "allreduce": 1}
     elif name == "tp2-sp":
         # SP turns each all-reduce of the residual stream into reduce-scatter + all-gather: per
         # micro-batch 2L+1 of each in forward and again in backward; 4 micro-batches. The
