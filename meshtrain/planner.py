@@ -405,6 +405,16 @@ def precision_of(cfg: PlanConfig) -> Precision:
     return Precision(2, 2, 4, 2, f"{cfg.precision} weights, grads and Adam m and v (no master copy)")
 
 
+def trainer_rank_state(cfg: JobConfig, layout, *, pp_rank: int, tp_rank: int, fsdp_rank: int) -> dict:
+    """The plan's parameter elements and parameter/grad/optimizer bytes for one rank of a trainer
+    run with ``cfg`` on ``layout`` (the figures ``allocation.measure_training_state`` measures)."""
+    prec = precision_of(PlanConfig(precision={"fp32": "fp32", "bf16": "bf16-mixed"}[cfg.train.mixed_precision]))
+    n = rank_parameters(shape_from_model_config(cfg.model, cfg.model.family), sizes_of(layout), layout.pp_schedule,
+                        pp_rank=pp_rank, tp_rank=tp_rank, fsdp_rank=fsdp_rank)
+    return {"param_elements": n, "param_bytes": n * prec.weights, "grad_bytes": n * prec.grads,
+            "optimizer_bytes": n * prec.optimizer}
+
+
 def layer_activation_elements(s: ModelShape, layer: int, sizes: Sizes, tokens: int, checkpointed: bool,
                               fused_norm: bool = True) -> float:
     """Elements autograd keeps for one micro-batch of ``tokens`` (= micro * seq) through ``layer``.

@@ -12,41 +12,11 @@ import json
 import pathlib
 import sys
 
-import torch
-from torch.distributed.tensor import DTensor
-
+from meshtrain.allocation import measure_training_state, mesh_coordinates
 from meshtrain.distributed import exit_process, init_distributed, shutdown
 from meshtrain.mesh import build_mesh, plan_layout
 from meshtrain.train import Trainer
 from tests.conftest import tiny_config
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def measure(trainer: Trainer) -> dict:
-    seen: dict = {}
-
-    def recording(opt):
-        step = opt.step
-
-        def step_and_record(*args, **kwargs):
-            grads = [local(p.grad) for group in opt.param_groups for p in group["params"] if p.grad is not None]
-            seen["grad_bytes"] = seen.get("grad_bytes", 0) + sum(g.numel() * g.element_size() for g in grads)
-            return step(*args, **kwargs)
-        return step_and_record
-
-    for opt in trainer.optimizers:
-        opt.step = recording(opt)
-    trainer.train_step()
-    params = [local(p) for p in trainer.params]
-    states = [local(v) for opt in trainer.optimizers for state in opt.state.values()
-              for v in state.values() if isinstance(v, torch.Tensor)]
-    return {"param_elements": sum(p.numel() for p in params),
-            "param_bytes": sum(p.numel() * p.element_size() for p in params),
-            "grad_bytes": seen["grad_bytes"],
-            "optimizer_bytes": sum(s.numel() * s.element_size() for s in states)}
 
 
 def main() -> None:
@@ -56,9 +26,7 @@ def main() -> None:
         for spec in layouts:
             cfg = tiny_config(**spec["sections"])
             mesh = build_mesh(plan_layout(cfg, runtime.world_size), runtime.device.type)
-            record = measure(Trainer(cfg, runtime, mesh))
-            record |= {"pp_rank": mesh["pp"].get_local_rank(), "tp_rank": mesh["tp"].get_local_rank(),
-                       "fsdp_rank": mesh["dp_shard_cp"].get_local_rank()}
+            record = measure_training_state(Trainer(cfg, runtime, mesh)) | mesh_coordinates(mesh)
             (out / f"{spec['name']}.rank{runtime.rank}.json").write_text(json.dumps(record))
     except BaseException:
         shutdown()

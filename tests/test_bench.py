@@ -47,3 +47,25 @@ def test_cp_memory_bench_shows_per_rank_activations(tmp_path):
     results = json.loads((tmp_path / "cp_memory.json").read_text())
     assert [r["tokens"] for r in results["2"]["ranks"]] == [128, 128]
     assert all(r["saved_bytes"] > 0 for cp in ("1", "2") for r in results[cp]["ranks"])
+
+
+def test_compare_bench_sets_every_layout_beside_its_minimum(tmp_path):
+    cmd = [sys.executable, str(ROOT / "bench" / "compare.py"), "--hidden", "64", "--layers", "2", "--seq-len", "64",
+           "--global-batch", "8", "--micro-batch", "2", "--steps", "1", "--warmup", "1", "--repeats", "1",
+           "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "compare.json").read_text())
+    speed = result["throughput"]
+    assert set(speed) == {"transformers 1 rank", "meshtrain 1 rank", "meshtrain dp2", "meshtrain tp2", "meshtrain pp2"}
+    assert all(s["tokens_per_s"] > 0 and s["vs_transformers"] > 0 for s in speed.values())
+    parts = {(name, p["part"]): p for name, c in result["communication"].items() for p in c["parts"]}
+    # layouts whose communication is at its floor must stay there: a regression shows as a ratio above 1
+    for key in [("tp2", "TP"), ("tp2+sp", "TP"), ("pp2", "PP")]:
+        assert parts[key]["ratio"] == pytest.approx(1.0, abs=0.02), (key, parts[key])
+    # the EP minimum assumes uniform routing; a random router sends a binomial share off-rank
+    assert parts[("ep2", "EP all-to-all")]["ratio"] == pytest.approx(1.0, abs=0.15)
+    assert parts[("dp2", "FSDP")]["ratio"] >= 1.0 and parts[("cp2", "CP ring")]["ratio"] >= 1.0
+    for name, ranks in result["memory"].items():
+        assert all(r["ratio"] == pytest.approx(1.0, rel=0.02) for r in ranks), name
+    assert "| tp2 | TP | all_reduce" in (tmp_path / "compare.md").read_text()

@@ -16,9 +16,9 @@ from meshtrain.initialize import init_weights
 from meshtrain.mesh import plan_layout
 from meshtrain.model import Transformer, count_parameters
 from meshtrain.planner import (GB, PlanConfig, Sizes, active_parameters, estimate, layer_activation_elements,
-                               parameter_tensors, precision_of, rank_parameters, recommend, resolve,
-                               shape_from_count, shape_from_hf_config, shape_from_model_config, sizes_of,
-                               total_parameters, unsharded)
+                               parameter_tensors, rank_parameters, recommend, resolve,
+                               shape_from_count, shape_from_hf_config, shape_from_model_config,
+                               total_parameters, trainer_rank_state, unsharded)
 from tests.conftest import ROOT, tiny_config, torchrun
 
 
@@ -222,16 +222,14 @@ def test_plan_bytes_match_the_trainers_allocation(world, tmp_path):
     for name, sections in LAYOUTS[world]:
         cfg = tiny_config(**sections)
         layout = plan_layout(cfg, world)
-        sizes, shape = sizes_of(layout), shape_from_model_config(cfg.model, name)
-        prec = precision_of(PlanConfig(precision={"fp32": "fp32", "bf16": "bf16-mixed"}[cfg.train.mixed_precision]))
         for rank in range(world):
             got = json.loads((tmp_path / f"{name}.rank{rank}.json").read_text())
-            n = rank_parameters(shape, sizes, layout.pp_schedule, pp_rank=got["pp_rank"], tp_rank=got["tp_rank"],
-                                fsdp_rank=got["fsdp_rank"])
-            for kind, per_param in (("param", prec.weights), ("grad", prec.grads), ("optimizer", prec.optimizer)):
+            want = trainer_rank_state(cfg, layout, pp_rank=got["pp_rank"], tp_rank=got["tp_rank"],
+                                      fsdp_rank=got["fsdp_rank"])
+            for kind in ("param", "grad", "optimizer"):
                 # within 2%: AdamW's per-tensor step counters are the only bytes the plan leaves out
-                assert got[f"{kind}_bytes"] == pytest.approx(n * per_param, rel=0.02), (name, rank, kind)
-            assert got["param_elements"] == n, (name, rank)
+                assert got[f"{kind}_bytes"] == pytest.approx(want[f"{kind}_bytes"], rel=0.02), (name, rank, kind)
+            assert got["param_elements"] == want["param_elements"], (name, rank)
 
 
 def test_estimate_is_the_busiest_pipeline_rank():
