@@ -21,6 +21,7 @@ its tokens per expert for the step's load metrics.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -44,14 +45,32 @@ class AuxLoss(torch.autograd.Function):
         return grad, torch.full_like(aux, ctx.scale), None
 
 
-def sequence_balance_loss(probs: torch.Tensor, indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+def sequence_balance_loss(probs: torch.Tensor, indices: torch.Tensor, num_experts: int,
+                          sequence_group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """E * sum_i f_i * P_i per sequence, averaged over the sequences: probs [B, S, E], indices
     [B, S * k]. Per sequence (DeepSeek-V3's sequence-wise form) rather than per micro-batch, so the
-    loss does not depend on how sequences are grouped into micro-batches and data-parallel ranks."""
+    loss does not depend on how sequences are grouped into micro-batches and data-parallel ranks.
+
+    Returns (the term to differentiate, the loss's value). Under context parallelism
+    (``sequence_group``) each rank holds a part of every sequence: f_i and P_i are sums over the
+    whole sequence, all-reduced over the group without autograd; the rank differentiates only its
+    own tokens' share of P_i (the shares sum to the loss), times the group size because the
+    data-parallel gradient reduction averages over the cp ranks as well."""
     counts = torch.zeros(probs.shape[0], num_experts, device=probs.device).scatter_add_(
         1, indices, torch.ones_like(indices, dtype=torch.float))
-    fraction = counts / indices.shape[1]
-    return num_experts * (fraction * probs.mean(dim=1)).sum(dim=-1).mean()
+    prob_sums = probs.sum(dim=1)
+    ranks = 1
+    total_counts, total_probs = counts, prob_sums.detach()
+    if sequence_group is not None:
+        ranks = dist.get_world_size(sequence_group)
+        totals = torch.cat([counts, prob_sums.detach()], dim=1)
+        dist.all_reduce(totals, group=sequence_group)
+        total_counts, total_probs = totals.split(num_experts, dim=1)
+    tokens = probs.shape[1] * ranks
+    fraction = total_counts / (indices.shape[1] * ranks)
+    mine = num_experts * (fraction * prob_sums / tokens).sum(dim=-1).mean()
+    value = num_experts * (fraction * total_probs / tokens).sum(dim=-1).mean()
+    return mine * ranks, value
 
 
 class Router(nn.Module):
@@ -114,6 +133,8 @@ class MoE(nn.Module):
         self.aux_loss_scale = 1.0
         """Set by the trainer: 1 / micro-batches without a pipeline (the loss is averaged over them
         there), 1 under a pipeline (the schedule scales every gradient by 1 / micro-batches)."""
+        self.sequence_group: dist.ProcessGroup | None = None
+        """Set by the trainer under context parallelism: the ranks that share each sequence."""
         # The step's statistics, for the load metrics (reset by the trainer after each step).
         self.register_buffer("tokens_per_expert", torch.zeros(cfg.num_experts), persistent=False)
         self.aux_loss_sum, self.aux_loss_count = 0.0, 0
@@ -136,10 +157,10 @@ class MoE(nn.Module):
             with torch.no_grad():
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
         if self.training and torch.is_grad_enabled() and self.aux_coef > 0:
-            aux = sequence_balance_loss(probs.view(shape[0], -1, self.num_experts),
-                                        indices.view(shape[0], -1), self.num_experts)
+            aux, value = sequence_balance_loss(probs.view(shape[0], -1, self.num_experts),
+                                               indices.view(shape[0], -1), self.num_experts, self.sequence_group)
             if not recompute:
-                self.aux_loss_sum += aux.detach()
+                self.aux_loss_sum += value
                 self.aux_loss_count += 1
             combined = AuxLoss.apply(combined, aux, self.aux_coef * self.aux_loss_scale)
         return combined.reshape(shape)

@@ -52,12 +52,10 @@ def check_runnable(layout: Layout, cfg: JobConfig) -> None:
         if getattr(layout, dim) > 1:
             raise ConfigError(f"parallel.{dim}={getattr(layout, dim)}: {what} is validated but not runnable "
                               f"in this version. Fix: set parallel.{dim}=1")
-    if cfg.model.is_moe:
-        for dim in ("tp", "cp"):
-            if getattr(layout, dim) > 1:
-                raise ConfigError(f"parallel.{dim}={getattr(layout, dim)} with the MoE family {cfg.model.family}: MoE "
-                                  "models run with data parallelism (FSDP), expert parallelism folded over it, and pipelines "
-                                  f"in this version (tensor and context parallel MoE: issue #6). Fix: parallel.{dim}=1")
+    if cfg.model.is_moe and layout.tp > 1:
+        raise ConfigError(f"parallel.tp={layout.tp} with the MoE family {cfg.model.family}: MoE models run with "
+                          "data, context, expert and pipeline parallelism in this version (tensor parallel MoE: "
+                          "issue #6). Fix: parallel.tp=1")
 
 
 def build_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device, stage: int | None = None, *,
@@ -152,6 +150,8 @@ class Trainer:
             # Without a pipeline the loss is averaged over micro-batches here; the schedule scales
             # every gradient by 1 / micro-batches itself.
             moe.aux_loss_scale = 1.0 if self.pipeline is not None else 1.0 / self.stream.accum
+            if mesh.size("cp") > 1:  # the balancing loss counts whole sequences
+                moe.sequence_group = mesh["cp"].get_group()
         self.peak_tflops = peak_tflops(cfg.logging, runtime.device)
         self.num_params = num_params
 

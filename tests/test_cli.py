@@ -100,7 +100,7 @@ def test_bf16_with_a_peak_reports_mfu(tmp_path):
      "train.seq_len=30 must be divisible by 2*cp = 4"),
     (["--parallel.ep", "2"], {"WORLD_SIZE": "2"}, "expert parallelism needs an MoE model"),
     (["--model.family", "qwen3_moe", "--model.num-experts", "4", "--parallel.tp", "2"], {"WORLD_SIZE": "2"},
-     "MoE models run with data parallelism (FSDP), expert parallelism folded over it"),
+     "MoE models run with data, context, expert and pipeline parallelism in this version"),
     (["--model.family", "mixtral", "--model.num-experts", "4", "--parallel.etp", "2"], {"WORLD_SIZE": "2"},
      "tensor parallelism inside experts (issue #6) is validated but not runnable"),
     (["--parallel.pp", "2", "--parallel.pp-schedule", "ZBVZeroBubble", "--train.micro-batch-size", "1"],

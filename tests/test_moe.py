@@ -149,6 +149,16 @@ MOE_LAYOUTS = {  # name: (ranks, options, extra model options, layout line)
     "pp2-ep2": (4, ["--parallel.pp", "2", "--parallel.ep", "2"], ("--model.num-hidden-layers", "4"), "PP2 DP2 CP1 EP2"),
     "hsdp2x2-ep2-bias-balancing": (4, ["--parallel.dp-replicate", "2", "--parallel.ep", "2"],
                                    ("--model.router-bias-update-rate", "0.01"), "EP2 [HSDP 2x2]"),
+    # context parallel: the balancing loss counts whole sequences over the cp ranks. Coefficient
+    # 0.1: without the cp factor on its gradient the weights then differ by ~1e-2 (checked); at 0.5
+    # one near-zero embedding gradient, amplified by Adam, already differs by 4e-5 under plain dp2
+    "cp2-checkpointed": (2, ["--parallel.cp", "2", "--train.activation-checkpointing", "True"],
+                         ("--model.router-aux-loss-coef", "0.1"), "DP1 CP2 EP1"),
+    "cp2-ep2-dp2-bias-balancing": (4, ["--parallel.cp", "2", "--parallel.ep", "2"],
+                                   ("--model.router-aux-loss-coef", "0.1", "--model.router-bias-update-rate", "0.01"),
+                                   "DP2 CP2 EP2"),
+    "pp2-cp2": (4, ["--parallel.pp", "2", "--parallel.cp", "2"],
+                ("--model.num-hidden-layers", "4", "--model.router-aux-loss-coef", "0.1"), "PP2 DP1 CP2"),
 }
 
 
