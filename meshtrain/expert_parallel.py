@@ -9,10 +9,11 @@ with uneven splits; the counts per expert are exchanged first), are regrouped by
 computed; combine sends the results back the same way, so the MoE block sees its own tokens in
 its own order, and autograd runs the all-to-alls in reverse in backward.
 
-ep folds over the data-parallel ranks of a pipeline stage: an ep group is ep ranks that each bring
+ep folds over the dp x cp x tp ranks of a pipeline stage: an ep group is ep ranks that each bring
 their own tokens. The experts are replicated over the edp = world / (pp * ep) groups, so after
-backward ``reduce_expert_grads`` sums their gradients over edp and divides by the stage's ranks,
-giving the gradient of the mean loss, as FSDP does for the dense weights.
+backward ``reduce_expert_grads`` sums their gradients over edp and divides by dp x cp, giving the
+gradient of the mean loss, as FSDP does for the dense weights (the tp ranks of a dp x cp rank hold
+slices of one sequence, so their summands are added, not averaged).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
 
 
 @torch.no_grad()
-def reduce_expert_grads(params: list[torch.Tensor], edp_group: dist.ProcessGroup | None, stage_ranks: int) -> None:
+def reduce_expert_grads(params: list[torch.Tensor], edp_group: dist.ProcessGroup | None, loss_ranks: int) -> None:
     """Expert gradients -> the gradient of the mean loss over the stage's ranks (see the module doc)."""
     for p in params:
         if p.grad is None:
@@ -75,4 +76,4 @@ def reduce_expert_grads(params: list[torch.Tensor], edp_group: dist.ProcessGroup
         local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
         if edp_group is not None:
             dist.all_reduce(local, group=edp_group)
-        local.div_(stage_ranks)
+        local.div_(loss_ranks)

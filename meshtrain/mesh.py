@@ -8,6 +8,8 @@
     flattened   "dp" = dp_replicate x dp_shard        data loading (each dp rank reads its shard)
                 "dp_shard_cp" = dp_shard x cp         FSDP2 shards parameters over these ranks
                 "dp_cp" = dp_replicate x dp_shard x cp  loss and gradient averaging
+                "cp_tp" = cp x tp                     the ranks sharing a sequence (MoE balancing loss)
+                "stage" = dp_replicate x dp_shard x cp x tp   one pp stage (expert load counts)
     expert mesh ("edp", "ep", "etp")                  the same ranks of one pp stage, regrouped:
                 ep folds over dp x cp (x tp), edp = world / (pp * ep * etp)
 """
@@ -128,6 +130,10 @@ def plan_layout(cfg: JobConfig, world_size: int) -> Layout:
             f"use a seq_len that is a multiple of {2 * p.cp}",
         )
 
+    if m.is_moe and p.tp > 1 and (t.seq_len // p.cp) % p.tp:
+        _fail(f"train.seq_len={t.seq_len} / cp={p.cp} must be divisible by tp={p.tp} for the MoE family {m.family} "
+              "(each tp rank routes its own slice of the sequence through the experts)",
+              f"use a seq_len that is a multiple of {p.cp * p.tp * (2 if p.cp > 1 else 1)}")
     check_moe_model(m)
     check_expert_layout(m.family, m.num_experts, p.ep, p.etp, world_size, p.pp, p.tp, p.cp)
 
@@ -321,6 +327,10 @@ class ParallelMesh:
     dp_cp: DeviceMesh
     fsdp: DeviceMesh
     """dp_shard_cp, or the 2-D (dp_replicate, dp_shard_cp) mesh for HSDP."""
+    cp_tp: DeviceMesh
+    """The ranks that share each sequence (cp splits it, and tp under SP or in MoE blocks)."""
+    stage: DeviceMesh
+    """Every rank of this pipeline stage: dp_replicate x dp_shard x cp x tp."""
     experts: DeviceMesh | None = None
     """The expert grid (edp, ep, etp), when the layout has expert parallelism."""
 
@@ -347,7 +357,7 @@ class ParallelMesh:
                               extras=layout_extras(parallel.sp, parallel.vpp, schedule, self.size("etp")))
 
 
-FLATTENED_DIMS = ("dp", "dp_shard_cp", "dp_cp", "fsdp")
+FLATTENED_DIMS = ("dp", "dp_shard_cp", "dp_cp", "fsdp", "cp_tp", "stage")
 EXPERT_DIMS = ("edp", "ep", "etp")
 
 
@@ -363,7 +373,9 @@ def build_mesh(layout: Layout, device_type: str) -> ParallelMesh:
         fsdp = unflatten(dp_cp, (layout.dp_replicate, layout.dp_shard * layout.cp), ("dp_replicate", "dp_shard_cp"))
     else:
         fsdp = dp_shard_cp
-    mesh = ParallelMesh(world, flatten(world, ("dp_replicate", "dp_shard"), "dp"), dp_shard_cp, dp_cp, fsdp)
+    mesh = ParallelMesh(world, flatten(world, ("dp_replicate", "dp_shard"), "dp"), dp_shard_cp, dp_cp, fsdp,
+                        flatten(world, ("cp", "tp"), "cp_tp"),
+                        flatten(world, ("dp_replicate", "dp_shard", "cp", "tp"), "stage"))
     if layout.ep * layout.etp > 1:
         mesh = dataclasses.replace(mesh, experts=build_expert_mesh(mesh, layout))
     return mesh
@@ -375,5 +387,4 @@ def build_expert_mesh(mesh: ParallelMesh, layout: Layout) -> DeviceMesh:
     etp is innermost and ep next, as tp and cp are in the dense grid, so with ep*etp == tp*cp the
     experts of a group sit on the ranks that share the dense tp x cp work.
     """
-    stage = flatten(mesh.world, ("dp_replicate", "dp_shard", "cp", "tp"), "stage")
-    return unflatten(stage, (layout.edp, layout.ep, layout.etp), ("edp", "ep", "etp"))
+    return unflatten(mesh.stage, (layout.edp, layout.ep, layout.etp), ("edp", "ep", "etp"))

@@ -46,16 +46,18 @@ class AuxLoss(torch.autograd.Function):
 
 
 def sequence_balance_loss(probs: torch.Tensor, indices: torch.Tensor, num_experts: int,
-                          sequence_group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          sequence_group: dist.ProcessGroup | None = None,
+                          grad_scale: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """E * sum_i f_i * P_i per sequence, averaged over the sequences: probs [B, S, E], indices
     [B, S * k]. Per sequence (DeepSeek-V3's sequence-wise form) rather than per micro-batch, so the
     loss does not depend on how sequences are grouped into micro-batches and data-parallel ranks.
 
-    Returns (the term to differentiate, the loss's value). Under context parallelism
-    (``sequence_group``) each rank holds a part of every sequence: f_i and P_i are sums over the
-    whole sequence, all-reduced over the group without autograd; the rank differentiates only its
-    own tokens' share of P_i (the shares sum to the loss), times the group size because the
-    data-parallel gradient reduction averages over the cp ranks as well."""
+    Returns (the term to differentiate, the loss's value). Under context parallelism or in a
+    tensor-parallel MoE block (``sequence_group``: cp x tp) each rank holds a part of every sequence:
+    f_i and P_i are sums over the whole sequence, all-reduced over the group without autograd; the
+    rank differentiates only its own tokens' share of P_i (the shares sum to the loss), times
+    ``grad_scale`` = cp, because the data-parallel gradient reduction averages over the cp ranks
+    (and the tp ranks' summands are added, not averaged)."""
     counts = torch.zeros(probs.shape[0], num_experts, device=probs.device).scatter_add_(
         1, indices, torch.ones_like(indices, dtype=torch.float))
     prob_sums = probs.sum(dim=1)
@@ -70,7 +72,7 @@ def sequence_balance_loss(probs: torch.Tensor, indices: torch.Tensor, num_expert
     fraction = total_counts / (indices.shape[1] * ranks)
     mine = num_experts * (fraction * prob_sums / tokens).sum(dim=-1).mean()
     value = num_experts * (fraction * total_probs / tokens).sum(dim=-1).mean()
-    return mine * ranks, value
+    return mine * grad_scale, value
 
 
 class Router(nn.Module):
@@ -134,7 +136,9 @@ class MoE(nn.Module):
         """Set by the trainer: 1 / micro-batches without a pipeline (the loss is averaged over them
         there), 1 under a pipeline (the schedule scales every gradient by 1 / micro-batches)."""
         self.sequence_group: dist.ProcessGroup | None = None
-        """Set by the trainer under context parallelism: the ranks that share each sequence."""
+        self.aux_grad_scale = 1
+        """Set by the trainer under cp or tp: the ranks that share each sequence, and cp (see
+        ``sequence_balance_loss``)."""
         # The step's statistics, for the load metrics (reset by the trainer after each step).
         self.register_buffer("tokens_per_expert", torch.zeros(cfg.num_experts), persistent=False)
         self.aux_loss_sum, self.aux_loss_count = 0.0, 0
@@ -158,7 +162,8 @@ class MoE(nn.Module):
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
         if self.training and torch.is_grad_enabled() and self.aux_coef > 0:
             aux, value = sequence_balance_loss(probs.view(shape[0], -1, self.num_experts),
-                                               indices.view(shape[0], -1), self.num_experts, self.sequence_group)
+                                               indices.view(shape[0], -1), self.num_experts, self.sequence_group,
+                                               self.aux_grad_scale)
             if not recompute:
                 self.aux_loss_sum += value
                 self.aux_loss_count += 1

@@ -276,8 +276,9 @@ def parameter_tensors(s: ModelShape) -> list[ParamTensor]:
                     ParamTensor(p + "mlp.experts.down_proj", (e, h, ei), 2, expert=True, layer=i)]
             if s.shared_expert_intermediate_size:
                 si = s.shared_expert_intermediate_size
-                out += [ParamTensor(p + f"mlp.shared_expert.{n}.weight", shp, d, layer=i) for n, shp, d in
-                        (("gate_proj", (si, h), 0), ("up_proj", (si, h), 0), ("down_proj", (h, si), 1))]
+                # MoE blocks are not split by tp (each tp rank routes its own tokens): no tp_dim
+                out += [ParamTensor(p + f"mlp.shared_expert.{n}.weight", shp, layer=i) for n, shp in
+                        (("gate_proj", (si, h)), ("up_proj", (si, h)), ("down_proj", (h, si)))]
         else:
             ii = s.intermediate_size
             out += [ParamTensor(p + "mlp.gate_proj.weight", (ii, h), 0, layer=i),
@@ -341,13 +342,13 @@ def _chunk(n: int, parts: int, index: int) -> int:
 def local_elements(t: ParamTensor, sizes: Sizes, *, tp_rank: int = 0, fsdp_rank: int = 0, fsdp: bool = True) -> int:
     """Elements of ``t`` held by the rank at these coordinates (rank 0 of each group holds the most)."""
     shape = list(t.shape)
-    if t.expert:
+    if t.expert and sizes.ep * sizes.etp > 1:
         shape[0] //= sizes.ep
         if sizes.etp > 1:
             shape[t.tp_dim] //= sizes.etp
         shards = sizes.edp_shard
-    else:
-        if t.tp_dim is not None and sizes.tp > 1:
+    else:  # dense tensors, and experts without ep/etp (FSDP shards them with the dense ones)
+        if t.tp_dim is not None and sizes.tp > 1 and not t.expert:
             shape[t.tp_dim] = _chunk(shape[t.tp_dim], sizes.tp, tp_rank)
         shards = sizes.dp_shard * sizes.cp
     if fsdp and shards > 1:

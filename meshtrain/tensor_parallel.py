@@ -12,6 +12,10 @@ vocab-parallel too, and with ``loss_parallel`` the logits stay sharded into the 
 Qwen3's per-head q/k norms see only the local heads; their weights are replicated DTensors so that
 autograd sums their gradients over the tp group.
 
+MoE blocks are not split by tp: each tp rank routes its own slice of the sequence through the whole
+router and experts (the way expert parallelism folds over tp), and ``sum_moe_grads_over_tp`` adds up
+their gradients; expert tensor parallelism (etp) is the other way, not built yet.
+
 A replicated parameter fed by sharded activations (the norms under SP, the q/k norms) gets a
 Partial gradient: each tp rank holds a summand. ``grads_to_param_placements`` sums them once per step,
 after the last micro-batch (and slices gradients that come back Replicate for a sharded
@@ -26,12 +30,14 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
 from meshtrain.model import Transformer
+from meshtrain.moe import MoE
 
 
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
@@ -60,20 +66,26 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, sequence_p
             "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(),
             "self_attn.o_proj": RowwiseParallel(output_layouts=residual),
-            "mlp.gate_proj": ColwiseParallel(),
-            "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=residual),
         }
         # The block inputs become one Replicate DTensor shared by q/k/v (gate/up), so backward sums
         # their Partial input gradients first and all-reduces once per block, not once per projection
         # (bench/compare.py measured 3 extra all-reduces per layer without this). (hidden, cos, sin):
         # under SP this also gathers the sequence before the column-parallel projections.
-        plan |= {
-            "self_attn": PrepareModuleInput(
-                input_layouts=(residual, None, None), desired_input_layouts=(Replicate(), None, None)
-            ),
-            "mlp": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
-        }
+        plan["self_attn"] = PrepareModuleInput(input_layouts=(residual, None, None),
+                                               desired_input_layouts=(Replicate(), None, None))
+        if isinstance(layer.mlp, MoE):
+            # Each tp rank routes its own slice of the sequence (free under SP; a slice in and an
+            # all-gather out without it); the MoE weights stay whole, see sum_moe_grads_over_tp.
+            plan["mlp"] = PrepareModuleInputOutput(
+                input_layouts=(residual,), desired_input_layouts=(Shard(1),), use_local_input=True,
+                output_layouts=(Shard(1),), desired_output_layouts=(residual,), use_local_output=True)
+        else:
+            plan |= {
+                "mlp.gate_proj": ColwiseParallel(),
+                "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel(output_layouts=residual),
+                "mlp": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
+            }
         if sp:
             plan |= {
                 "input_layernorm": SequenceParallel(),
@@ -98,3 +110,14 @@ def grads_to_param_placements(params: list[torch.Tensor]) -> None:
         g = p.grad
         if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
             p.grad = g.redistribute(g.device_mesh, p.placements)
+
+
+@torch.no_grad()
+def sum_moe_grads_over_tp(params: list[torch.Tensor], tp_mesh: DeviceMesh) -> None:
+    """MoE blocks are not tensor-parallel: each tp rank runs the whole router (and shared expert, and
+    its experts) on its own slice of the sequence, so each holds one summand of their gradients.
+    Sum them over tp once per step (before clipping; FSDP has reduced over dp x cp already)."""
+    group = tp_mesh.get_group()
+    for p in params:
+        if p.grad is not None:
+            torch.distributed.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group=group)

@@ -41,7 +41,7 @@ from meshtrain.model import Transformer, count_active_parameters, count_paramete
 from meshtrain.moe import MoE
 from meshtrain.pipeline import Pipeline, split_for_stage, stage_ids_for_rank
 from meshtrain.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
-from meshtrain.tensor_parallel import apply_tensor_parallel, grads_to_param_placements
+from meshtrain.tensor_parallel import apply_tensor_parallel, grads_to_param_placements, sum_moe_grads_over_tp
 
 # Layout features whose runtime lands with later issues; validated already, refused clearly.
 NOT_YET = {"etp": "tensor parallelism inside experts (issue #6)"}
@@ -52,11 +52,6 @@ def check_runnable(layout: Layout, cfg: JobConfig) -> None:
         if getattr(layout, dim) > 1:
             raise ConfigError(f"parallel.{dim}={getattr(layout, dim)}: {what} is validated but not runnable "
                               f"in this version. Fix: set parallel.{dim}=1")
-    if cfg.model.is_moe and layout.tp > 1:
-        raise ConfigError(f"parallel.tp={layout.tp} with the MoE family {cfg.model.family}: MoE models run with "
-                          "data, context, expert and pipeline parallelism in this version (tensor parallel MoE: "
-                          "issue #6). Fix: parallel.tp=1")
-
 
 def build_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device, stage: int | None = None, *,
                 initialize: bool = True) -> Transformer:
@@ -150,8 +145,11 @@ class Trainer:
             # Without a pipeline the loss is averaged over micro-batches here; the schedule scales
             # every gradient by 1 / micro-batches itself.
             moe.aux_loss_scale = 1.0 if self.pipeline is not None else 1.0 / self.stream.accum
-            if mesh.size("cp") > 1:  # the balancing loss counts whole sequences
-                moe.sequence_group = mesh["cp"].get_group()
+            if mesh.size("cp_tp") > 1:  # the balancing loss counts whole sequences
+                moe.sequence_group, moe.aux_grad_scale = mesh["cp_tp"].get_group(), mesh.size("cp")
+        experts = {id(p) for p in self.expert_params}
+        self.tp_summed_params = [p for moe in self.moe_layers for p in moe.parameters()
+                                 if id(p) not in experts] if mesh.size("tp") > 1 else []
         self.peak_tflops = peak_tflops(cfg.logging, runtime.device)
         self.num_params = num_params
 
@@ -184,10 +182,11 @@ class Trainer:
             raise TrainingError(f"the loss became {loss_value} at step {self.step}; training stopped before "
                                 "the optimizer step. Fix: lower optimizer.lr, raise lr_schedule.warmup_steps, "
                                 "or enable train.grad_clip")
+        if self.tp_summed_params:
+            sum_moe_grads_over_tp(self.tp_summed_params, self.mesh["tp"])
         if self.expert_params:
             edp = self.mesh["edp"]
-            reduce_expert_grads(self.expert_params, edp.get_group() if edp.size() > 1 else None,
-                                self.mesh.world.size() // self.mesh.size("pp"))
+            reduce_expert_grads(self.expert_params, edp.get_group() if edp.size() > 1 else None, dp_cp.size())
         grads_to_param_placements(self.params)
         grad_norm = clip_grad_norm_(self.params, t.grad_clip, self.mesh).item()
         if not math.isfinite(grad_norm):
@@ -213,15 +212,15 @@ class Trainer:
 
     @torch.no_grad()
     def expert_load_step(self) -> dict[str, float]:
-        """The step's expert load over all data-parallel ranks, per MoE layer: its imbalance (the
+        """The step's expert load over all ranks of the stage, per MoE layer: its imbalance (the
         busiest expert's tokens over the mean) and aux loss, averaged over the model's MoE layers;
         then the aux-loss-free bias update (same counts on every dp rank, so the same biases)."""
         device = self.runtime.device
         counts = torch.stack([m.tokens_per_expert for m in self.moe_layers]) if self.moe_layers else \
             torch.zeros(0, self.cfg.model.num_experts, device=device)
-        dp_cp = self.mesh["dp_cp"]
-        if dp_cp.size() > 1:
-            dist.all_reduce(counts, group=dp_cp.get_group())
+        stage = self.mesh["stage"]  # each rank routed its own tokens
+        if stage.size() > 1:
+            dist.all_reduce(counts, group=stage.get_group())
         imbalance = counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-9)
         aux = torch.tensor([float(m.mean_aux_loss()) for m in self.moe_layers], device=device)
         sums = torch.stack([imbalance.sum(), aux.sum(), torch.tensor(float(len(self.moe_layers)), device=device)])

@@ -135,6 +135,7 @@ def test_bias_balancing_moves_towards_uniform_load():
 
 MOE_ARGS = ("--model.family", "qwen3_moe", "--model.num-experts", "4", "--model.num-experts-per-tok", "2",
             "--model.moe-intermediate-size", "32")
+AUX = ("--model.router-aux-loss-coef", "0.1")
 MOE_LAYOUTS = {  # name: (ranks, options, extra model options, layout line)
     "fsdp2": (2, ["--parallel.dp-shard", "2"], (), "DP2"),
     "hsdp2x2-bias-balancing": (4, ["--parallel.dp-replicate", "2"], ("--model.router-bias-update-rate", "0.01"),
@@ -153,12 +154,24 @@ MOE_LAYOUTS = {  # name: (ranks, options, extra model options, layout line)
     # 0.1: without the cp factor on its gradient the weights then differ by ~1e-2 (checked); at 0.5
     # one near-zero embedding gradient, amplified by Adam, already differs by 4e-5 under plain dp2
     "cp2-checkpointed": (2, ["--parallel.cp", "2", "--train.activation-checkpointing", "True"],
-                         ("--model.router-aux-loss-coef", "0.1"), "DP1 CP2 EP1"),
+                         AUX, "DP1 CP2 EP1"),
     "cp2-ep2-dp2-bias-balancing": (4, ["--parallel.cp", "2", "--parallel.ep", "2"],
-                                   ("--model.router-aux-loss-coef", "0.1", "--model.router-bias-update-rate", "0.01"),
+                                   AUX + ("--model.router-bias-update-rate", "0.01"),
                                    "DP2 CP2 EP2"),
     "pp2-cp2": (4, ["--parallel.pp", "2", "--parallel.cp", "2"],
-                ("--model.num-hidden-layers", "4", "--model.router-aux-loss-coef", "0.1"), "PP2 DP1 CP2"),
+                AUX + ("--model.num-hidden-layers", "4"), "PP2 DP1 CP2"),
+    # tensor parallel attention; each tp rank routes its own slice of the sequence
+    "tp2-sp": (2, ["--parallel.tp", "2", "--parallel.sp", "True"], AUX, "TP2 PP1 DP1 CP1 EP1 [SP]"),
+    "tp2-no-sp-shared-expert": (2, ["--parallel.tp", "2"], AUX + ("--model.shared-expert-intermediate-size", "48"),
+                                "TP2 PP1 DP1 CP1 EP1 (world 2)"),
+    "tp2-ep2": (2, ["--parallel.tp", "2", "--parallel.sp", "True", "--parallel.ep", "2"], AUX, "TP2 PP1 DP1 CP1 EP2"),
+    "tp2-cp2-ep2": (4, ["--parallel.tp", "2", "--parallel.sp", "True", "--parallel.cp", "2", "--parallel.ep", "2"],
+                    AUX, "TP2 PP1 DP1 CP2 EP2"),
+    "tp2-dp2-ep4-bias-balancing": (4, ["--parallel.tp", "2", "--parallel.sp", "True", "--parallel.ep", "4"],
+                                   AUX + ("--model.router-bias-update-rate", "0.01"), "TP2 PP1 DP2 CP1 EP4"),
+    # the 5-D run of issue #6: pp2 x dp2 x tp2 with ep2 folded over dp x tp, on 8 ranks
+    "pp2-dp2-tp2-ep2": (8, ["--parallel.pp", "2", "--parallel.tp", "2", "--parallel.sp", "True", "--parallel.ep", "2"],
+                        AUX + ("--model.num-hidden-layers", "4"), "TP2 PP2 DP2 CP1 EP2"),
 }
 
 

@@ -200,7 +200,9 @@ def test_parameter_inventory_equals_the_model():
 LAYOUTS = {
     2: [("dp2", {}), ("tp2", {"parallel": {"tp": 2}}), ("pp2", {"parallel": {"pp": 2}}),
         ("moe_dp2", {"model": {"family": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 32,
-                               "shared_expert_intermediate_size": 48, "mlp_only_layers": [0]}})],
+                               "shared_expert_intermediate_size": 48, "mlp_only_layers": [0]}}),
+        ("moe_tp2_sp", {"model": {"family": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 32,
+                                  "shared_expert_intermediate_size": 48}, "parallel": {"tp": 2, "sp": True}})],
     4: [("dp4", {"train": {"micro_batch_size": 1}}),
         ("tp2_dp2", {"parallel": {"tp": 2, "sp": True}}),
         ("tp2_dp2_qwen3_bf16", {"model": {"family": "qwen3"}, "parallel": {"tp": 2},
