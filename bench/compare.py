@@ -75,12 +75,11 @@ def meshtrain_worker(args: argparse.Namespace) -> None:
     from meshtrain.distributed import exit_process, init_distributed, shutdown
     from meshtrain.mesh import build_mesh, plan_layout
     from meshtrain.planner import trainer_rank_state
-    from meshtrain.train import Trainer, check_runnable, resolve
+    from meshtrain.train import Trainer, resolve
 
     ranks, parallel, moe = LAYOUTS[args.layout]
     cfg = resolve(job_config(args, parallel, moe))
     layout = plan_layout(cfg, ranks)
-    check_runnable(layout, cfg)
     runtime = init_distributed(cfg.parallel.timeout_s)
     try:
         trainer = Trainer(cfg, runtime, build_mesh(layout, runtime.device.type))

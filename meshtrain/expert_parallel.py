@@ -9,8 +9,14 @@ with uneven splits; the counts per expert are exchanged first), are regrouped by
 computed; combine sends the results back the same way, so the MoE block sees its own tokens in
 its own order, and autograd runs the all-to-alls in reverse in backward.
 
-ep folds over the dp x cp x tp ranks of a pipeline stage: an ep group is ep ranks that each bring
-their own tokens. The experts are replicated over the edp = world / (pp * ep) groups, so after
+With expert tensor parallelism the style is applied with the (ep, etp) mesh: gate/up are also
+split on their FFN dim over etp, down on its input dim, and the etp ranks of an expert group all
+compute every token copy the group received (gathered over etp before the experts, partial
+outputs reduce-scattered after: Megatron's scheme, without its padding).
+
+ep (x etp) folds over the dp x cp x tp ranks of a pipeline stage: an ep group is ep ranks that each
+bring their own tokens. The experts are replicated over the edp = world / (pp * ep * etp) groups
+(an all-reduce, not FSDP: they are not sharded over edp yet), so after
 backward ``reduce_expert_grads`` sums their gradients over edp and divides by dp x cp, giving the
 gradient of the mean loss, as FSDP does for the dense weights (the tp ranks of a dp x cp rank hold
 slices of one sequence, so their summands are added, not averaged).
@@ -27,14 +33,50 @@ from torch.distributed.tensor import DTensor, Shard, distribute_module, distribu
 from torch.distributed.tensor.parallel import ParallelStyle
 
 
+# The dim of each stacked expert weight that expert tensor parallelism splits: the FFN width.
+ETP_DIMS = {"gate_proj": 1, "up_proj": 1, "down_proj": 2}
+
+
+def _gather_over_etp(x: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup, etp: int):
+    """All-gather this rank's token copies (sorted by local expert, ``counts`` each) over the etp
+    group, as one autograd all-to-all of the repeated input (its backward sums the etp ranks'
+    gradients: a reduce-scatter). Returns the copies regrouped by local expert, the counts per
+    local expert, and what ``_scatter_over_etp`` needs to undo it."""
+    all_counts = torch.empty(etp * counts.numel(), dtype=counts.dtype, device=counts.device)
+    dist.all_gather_into_tensor(all_counts, counts, group=group)
+    all_counts = all_counts.view(etp, -1)
+    mine, theirs = x.shape[0], all_counts.sum(1).tolist()
+    gathered = all_to_all_single_autograd(x.repeat(etp, 1), theirs, [mine] * etp, group)
+    local_experts = counts.numel()
+    by_source = torch.arange(gathered.shape[0], device=x.device).split(all_counts.flatten().tolist())
+    order = [by_source[src * local_experts + e] for e in range(local_experts) for src in range(etp)]
+    order = torch.cat(order) if order else torch.zeros(0, dtype=torch.long, device=x.device)
+    return gathered[order], all_counts.sum(0), (order, mine, theirs)
+
+
+def _scatter_over_etp(y: torch.Tensor, state, group: dist.ProcessGroup, etp: int) -> torch.Tensor:
+    """Each etp rank computed a slice of the FFN for every gathered copy: send each source its rows
+    back and sum the etp partial results (a reduce-scatter, as an autograd all-to-all)."""
+    order, mine, theirs = state
+    restored = torch.empty_like(y).index_copy(0, order, y)
+    partial = all_to_all_single_autograd(restored, [mine] * etp, theirs, group)
+    return partial.view(etp, mine, -1).sum(0)
+
+
 class ExpertParallel(ParallelStyle):
+    """Applied with the ep mesh, or the 2-D (ep, etp) mesh for expert tensor parallelism: each
+    expert's gate/up then are column slices and down a row slice over etp, and the etp ranks of an
+    expert group all compute every token copy sent to the group (gathered in, reduce-scattered out)."""
+
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-        group = mesh.get_group()
-        ep = mesh.size()
+        ep_mesh, etp_mesh = (mesh["ep"], mesh["etp"]) if mesh.ndim == 2 else (mesh, None)
+        group, ep = ep_mesh.get_group(), ep_mesh.size()
+        etp_group, etp = (etp_mesh.get_group(), etp_mesh.size()) if etp_mesh is not None else (None, 1)
 
         def shard_experts(name, mod, device_mesh):
             for pname, param in list(mod.named_parameters(recurse=False)):
-                sharded = nn.Parameter(distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=None))
+                placements = [Shard(0)] if etp_mesh is None else [Shard(0), Shard(ETP_DIMS[pname])]
+                sharded = nn.Parameter(distribute_tensor(param, device_mesh, placements, src_data_rank=None))
                 mod.register_parameter(pname, sharded)
 
         def dispatch(mod, inputs, device_mesh):
@@ -51,12 +93,17 @@ class ExpertParallel(ParallelStyle):
             by_source = torch.arange(received.shape[0], device=x.device).split(counts_in.flatten().tolist())
             order = [by_source[src * local_experts + e] for e in range(local_experts) for src in range(ep)]
             order = torch.cat(order) if order else torch.zeros(0, dtype=torch.long, device=x.device)
-            mod._ep_state = (order, send, recv)
-            return received[order], counts_in.sum(0)
+            tokens, local_counts, etp_state = received[order], counts_in.sum(0), None
+            if etp > 1:
+                tokens, local_counts, etp_state = _gather_over_etp(tokens, local_counts, etp_group, etp)
+            mod._ep_state = (order, send, recv, etp_state)
+            return tokens, local_counts
 
         def combine(mod, outputs, device_mesh):
-            order, send, recv = mod._ep_state
+            order, send, recv, etp_state = mod._ep_state
             del mod._ep_state
+            if etp > 1:
+                outputs = _scatter_over_etp(outputs, etp_state, etp_group, etp)
             restored = torch.empty_like(outputs).index_copy(0, order, outputs)
             return all_to_all_single_autograd(restored, send, recv, group)
 

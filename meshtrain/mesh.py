@@ -347,6 +347,11 @@ class ParallelMesh:
         return self[dim].size()
 
     @property
+    def expert_grid(self) -> DeviceMesh:
+        """The mesh the experts are sharded over: ep, or (ep, etp) with expert tensor parallelism."""
+        return self["ep"] if self.size("etp") == 1 else self.experts["ep", "etp"]
+
+    @property
     def device_type(self) -> str:
         return self.world.device_type
 

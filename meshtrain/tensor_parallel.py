@@ -14,7 +14,8 @@ autograd sums their gradients over the tp group.
 
 MoE blocks are not split by tp: each tp rank routes its own slice of the sequence through the whole
 router and experts (the way expert parallelism folds over tp), and ``sum_moe_grads_over_tp`` adds up
-their gradients; expert tensor parallelism (etp) is the other way, not built yet.
+their gradients; expert tensor parallelism (``parallel.etp``, in expert_parallel.py) is the way to
+split the experts' FFNs instead.
 
 A replicated parameter fed by sharded activations (the norms under SP, the q/k norms) gets a
 Partial gradient: each tp rank holds a summand. ``grads_to_param_placements`` sums them once per step,

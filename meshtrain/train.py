@@ -43,16 +43,6 @@ from meshtrain.pipeline import Pipeline, split_for_stage, stage_ids_for_rank
 from meshtrain.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from meshtrain.tensor_parallel import apply_tensor_parallel, grads_to_param_placements, sum_moe_grads_over_tp
 
-# Layout features whose runtime lands with later issues; validated already, refused clearly.
-NOT_YET = {"etp": "tensor parallelism inside experts (issue #6)"}
-
-
-def check_runnable(layout: Layout, cfg: JobConfig) -> None:
-    for dim, what in NOT_YET.items():
-        if getattr(layout, dim) > 1:
-            raise ConfigError(f"parallel.{dim}={getattr(layout, dim)}: {what} is validated but not runnable "
-                              f"in this version. Fix: set parallel.{dim}=1")
-
 def build_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device, stage: int | None = None, *,
                 initialize: bool = True) -> Transformer:
     """The whole model, or pipeline stage ``stage`` of it: built on meta, sharded, then initialised
@@ -66,10 +56,10 @@ def build_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device, stage:
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=cfg.parallel.sp,
                               loss_parallel=cfg.parallel.loss_parallel)
     experts: set[torch.nn.Parameter] = set()
-    if mesh.size("ep") > 1:
+    if mesh.size("ep") * mesh.size("etp") > 1:
         for module in model.modules():
             if isinstance(module, MoE):
-                parallelize_module(module.experts, mesh["ep"], ExpertParallel())
+                parallelize_module(module.experts, mesh.expert_grid, ExpertParallel())
                 experts.update(module.experts.parameters())
     if mesh.size("dp_cp") > 1:
         apply_fsdp(model, mesh.fsdp, mixed_precision=cfg.train.mixed_precision,
@@ -121,7 +111,8 @@ class Trainer:
         else:
             self.parts = [build_model(cfg, mesh, runtime.device, initialize=from_scratch)]
         self.params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
-        self.expert_params = [p for part in self.parts for p in expert_parameters(part)] if mesh.size("ep") > 1 else []
+        self.expert_params = [p for part in self.parts for p in expert_parameters(part)] \
+            if mesh.size("ep") * mesh.size("etp") > 1 else []
         # One optimizer per part: torch's optimizer state dicts are per (module, optimizer) pair.
         self.optimizers = [build_optimizer([part], cfg.optimizer) for part in self.parts]
         self.schedulers = [build_lr_scheduler(opt, t.steps, cfg.lr_schedule) for opt in self.optimizers]
@@ -319,7 +310,6 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
     """Train with ``cfg`` in this process (one rank of a torchrun job, or a world of one)."""
     cfg = resolve(cfg)
     layout = plan(cfg)
-    check_runnable(layout, cfg)
     runtime = init_distributed(cfg.parallel.timeout_s)
     try:
         mesh = build_mesh(layout, runtime.device.type)

@@ -15,7 +15,7 @@ from meshtrain.cli import parse
 from meshtrain.config import JobConfig
 from meshtrain.distributed import exit_process, init_distributed, shutdown, world_size_from_env
 from meshtrain.mesh import build_mesh, plan_layout
-from meshtrain.train import Trainer, check_runnable
+from meshtrain.train import Trainer
 from meshtrain.comm_counter import CollectiveCounter
 
 
@@ -23,7 +23,6 @@ def main() -> None:
     out, args = sys.argv[1], sys.argv[2:]
     cfg = parse(JobConfig, args, "parity_worker")
     layout = plan_layout(cfg, world_size_from_env())
-    check_runnable(layout, cfg)
     runtime = init_distributed(cfg.parallel.timeout_s)
     try:
         mesh = build_mesh(layout, runtime.device.type)

@@ -101,8 +101,6 @@ def test_bf16_with_a_peak_reports_mfu(tmp_path):
     (["--parallel.ep", "2"], {"WORLD_SIZE": "2"}, "expert parallelism needs an MoE model"),
     (["--model.family", "qwen3_moe", "--model.num-experts", "4", "--parallel.tp", "2", "--train.seq-len", "33"],
      {"WORLD_SIZE": "2"}, "train.seq_len=33 / cp=1 must be divisible by tp=2 for the MoE family qwen3_moe"),
-    (["--model.family", "mixtral", "--model.num-experts", "4", "--parallel.etp", "2"], {"WORLD_SIZE": "2"},
-     "tensor parallelism inside experts (issue #6) is validated but not runnable"),
     (["--parallel.pp", "2", "--parallel.pp-schedule", "ZBVZeroBubble", "--train.micro-batch-size", "1"],
      {"WORLD_SIZE": "2"}, "parallel.pp_schedule=ZBVZeroBubble places exactly two stages per rank"),
     (["--parallel.pp", "2", "--parallel.pp-layers-per-stage", "1", "2"], {"WORLD_SIZE": "2"},

@@ -169,6 +169,11 @@ MOE_LAYOUTS = {  # name: (ranks, options, extra model options, layout line)
                     AUX, "TP2 PP1 DP1 CP2 EP2"),
     "tp2-dp2-ep4-bias-balancing": (4, ["--parallel.tp", "2", "--parallel.sp", "True", "--parallel.ep", "4"],
                                    AUX + ("--model.router-bias-update-rate", "0.01"), "TP2 PP1 DP2 CP1 EP4"),
+    # expert tensor parallel: each expert's FFN split over etp (tokens gathered in, reduce-scattered out)
+    "ep2-etp2": (4, ["--parallel.ep", "2", "--parallel.etp", "2"], AUX + ("--model.shared-expert-intermediate-size", "48"),
+                 "DP4 CP1 EP2 [ETP2]"),
+    "tp2-etp2": (2, ["--parallel.tp", "2", "--parallel.sp", "True", "--parallel.etp", "2"], AUX,
+                 "TP2 PP1 DP1 CP1 EP1 [SP, ETP2]"),
     # the 5-D run of issue #6: pp2 x dp2 x tp2 with ep2 folded over dp x tp, on 8 ranks
     "pp2-dp2-tp2-ep2": (8, ["--parallel.pp", "2", "--parallel.tp", "2", "--parallel.sp", "True", "--parallel.ep", "2"],
                         AUX + ("--model.num-hidden-layers", "4"), "TP2 PP2 DP2 CP1 EP2"),

@@ -210,7 +210,9 @@ LAYOUTS = {
         ("pp2_dp2", {"parallel": {"pp": 2}}),
         ("pp2_tp2_vpp2", {"model": {"num_hidden_layers": 4}, "parallel": {"pp": 2, "tp": 2, "vpp": 2},
                           "train": {"micro_batch_size": 1}}),
-        ("hsdp2x2", {"parallel": {"dp_replicate": 2}, "train": {"micro_batch_size": 1}})],
+        ("hsdp2x2", {"parallel": {"dp_replicate": 2}, "train": {"micro_batch_size": 1}}),
+        ("moe_ep2_etp2", {"model": {"family": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 32},
+                          "parallel": {"ep": 2, "etp": 2}, "train": {"micro_batch_size": 1}})],
 }
 
 
