@@ -6,9 +6,9 @@ every token routed to it. With aux-loss-free balancing a per-expert bias is adde
 for choosing the experts only (DeepSeek-V3); the weights stay the softmax probabilities.
 
 Dispatch: the token copies are sorted by expert, each expert runs its SwiGLU on its contiguous
-group (a loop over the groups; CUDA's ``torch._grouped_mm`` wants groups padded to an alignment and
-comes with expert parallelism, where it can be measured on a GPU), and the weighted outputs are
-summed back into token order. Experts are stacked
+group (``F.grouped_mm`` over the jagged groups on CUDA bf16, SM >= 80; elsewhere a loop over the
+groups, which tests/test_moe.py checks against the grouped path on CPU), and the weighted outputs
+are summed back into token order. Experts are stacked
 weights [E, ...] so that expert parallelism can shard dim 0.
 
 Load balancing: the Switch Transformer loss E * sum_i f_i * P_i (f_i: the fraction of token copies
@@ -115,11 +115,38 @@ class Experts(nn.Module):
         # rank's experts (to_local is differentiable, so the gradients land in the DTensors).
         gate, up, down = (w.to_local() if isinstance(w, DTensor) else w
                           for w in (self.gate_proj, self.up_proj, self.down_proj))
-        outs = []
-        for e, group in enumerate(torch.split(x, counts.tolist())):
-            hidden = F.silu(group @ gate[e].t()) * (group @ up[e].t())
-            outs.append(hidden @ down[e].t())
-        return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
+        ffn = grouped_expert_ffn if use_grouped_mm(x, gate, up, down) else looped_expert_ffn
+        return ffn(x, counts, gate, up, down)
+
+
+def use_grouped_mm(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """The fast path: CUDA bf16 on SM >= 80 (the grouped GEMM kernels). On CPU torch's grouped_mm
+    is a composite of per-group GEMMs and measured slower than the loop in training (0.074 vs
+    0.064 s for a 4096-token, 8-expert fwd+bwd on 2 cores), so CPU keeps the loop."""
+    return (x.device.type == "cuda" and x.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device) >= (8, 0) and grouped_mm_supported(x, *weights))
+
+
+def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether ``F.grouped_mm`` takes these operands: one dtype, every row stride a multiple of 16 bytes."""
+    return all(t.dtype == x.dtype and t.stride(-2) * t.element_size() % 16 == 0 for t in (x, *weights))
+
+
+def grouped_expert_ffn(x, counts, gate, up, down) -> torch.Tensor:
+    """The experts' SwiGLU as three grouped GEMMs over the jagged groups: no loop, no host sync."""
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    hidden = F.silu(F.grouped_mm(x, gate.transpose(-2, -1), offs=offs)) * \
+        F.grouped_mm(x, up.transpose(-2, -1), offs=offs)
+    return F.grouped_mm(hidden, down.transpose(-2, -1), offs=offs)
+
+
+def looped_expert_ffn(x, counts, gate, up, down) -> torch.Tensor:
+    """The same, one expert at a time (any device and dtype; needs the counts on the host)."""
+    outs = []
+    for e, group in enumerate(torch.split(x, counts.tolist())):
+        hidden = F.silu(group @ gate[e].t()) * (group @ up[e].t())
+        outs.append(hidden @ down[e].t())
+    return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
 
 
 class MoE(nn.Module):

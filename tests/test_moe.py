@@ -13,7 +13,7 @@ from meshtrain.config import ModelConfig
 from meshtrain.hf_adapter import from_hf, hf_config_from_model, hf_shapes, model_config_from_hf, to_hf
 from meshtrain.initialize import init_weights
 from meshtrain.model import Transformer
-from meshtrain.moe import MoE
+from meshtrain.moe import MoE, grouped_expert_ffn, grouped_mm_supported, looped_expert_ffn, use_grouped_mm
 from tests.hf_models import read_tensors
 from tests.test_parallel import assert_matches_reference, reference, run_layout
 
@@ -123,6 +123,29 @@ def test_load_balancing_loss_and_expert_load():
     (0.5 * aux).backward()
     torch.testing.assert_close(moe.gate.weight.grad, w.grad, rtol=1e-5, atol=1e-8)
     assert float(moe.mean_aux_loss()) == pytest.approx(aux.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_gemm_experts_equal_the_loop(dtype):
+    """The grouped path (CUDA's fast path; torch runs it on CPU too) against the per-expert loop
+    that CPU trains with, forward and backward, empty groups included."""
+    e, i, h = 4, 32, 16
+    counts = torch.tensor([5, 0, 9, 2])
+    weights = [torch.randn(e, i, h, dtype=dtype), torch.randn(e, i, h, dtype=dtype), torch.randn(e, h, i, dtype=dtype)]
+    x = torch.randn(int(counts.sum()), h, dtype=dtype)
+    assert grouped_mm_supported(x, *weights)
+    grads = torch.randn(x.shape[0], h, dtype=dtype)
+    results = []
+    for ffn in (grouped_expert_ffn, looped_expert_ffn):
+        leaves = [t.clone().requires_grad_() for t in (x, *weights)]
+        out = ffn(leaves[0], counts, *leaves[1:])
+        out.backward(grads)
+        results.append([out.detach()] + [t.grad for t in leaves])
+    tol = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, **tol)
+    assert not grouped_mm_supported(torch.randn(3, 7), torch.randn(2, 5, 7))  # rows of 28 bytes
+    assert not use_grouped_mm(x, *weights)  # CPU trains with the loop (measured faster there)
 
 
 def test_bias_balancing_moves_towards_uniform_load():
