@@ -54,11 +54,14 @@ EXPERT_NAMES = {"qwen3_moe": ("mlp", {"gate_proj": "gate_proj", "up_proj": "up_p
                 "mixtral": ("block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"})}
 
 
-def _per_expert(value, num_experts: int) -> list:
-    """A stacked value's E slices: views of a tensor, or the shape of one expert."""
+def _per_expert(value, num_experts: int) -> dict:
+    """A stacked value's slices by expert index: views of a tensor, the shape of one expert, or
+    (already split, by ``hf_io`` for sharded experts) the experts this rank holds."""
+    if isinstance(value, dict):
+        return value
     if isinstance(value, torch.Size):
-        return [torch.Size(value[1:])] * num_experts
-    return list(value.unbind(0))
+        return dict.fromkeys(range(num_experts), torch.Size(value[1:]))
+    return dict(enumerate(value.unbind(0)))
 
 
 def to_hf(state_dict: dict[str, T], cfg: ModelConfig) -> dict[str, T]:
@@ -73,7 +76,7 @@ def to_hf(state_dict: dict[str, T], cfg: ModelConfig) -> dict[str, T]:
             prefix, rest = name.split(".mlp.", 1)
             if rest.startswith("experts."):
                 kind = rest.removeprefix("experts.")
-                for e, v in enumerate(_per_expert(value, cfg.num_experts)):
+                for e, v in _per_expert(value, cfg.num_experts).items():
                     out[f"model.{prefix}.{block}.experts.{e}.{names[kind]}.weight"] = v
                 continue
             name = f"{prefix}.{block}.{rest}"

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError, safe_open
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.tensor import DTensor, Shard
 
 from meshtrain.config import ModelConfig
 from meshtrain.errors import CheckpointError
@@ -104,26 +105,48 @@ def inspect_hf_dir(directory: str | pathlib.Path, expected: dict[str, torch.Size
 _TORCH_DTYPE = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 
 
-def check_expert_io(parts: list[Transformer], what: str) -> None:
-    """HF keeps one tensor per expert; meshtrain stacks them, and reads/writes each expert as a view
-    of the stack. A view of a sharded DTensor is not one, so sharded experts are refused, clearly."""
-    from torch.distributed.tensor import DTensor
+def expert_pieces(stacked: torch.Tensor) -> dict[int, torch.Tensor] | torch.Tensor:
+    """HF keeps one tensor per expert, meshtrain a stack [E, ...] that EP or FSDP shards on dim 0
+    (whole experts per rank) and ETP on an FFN dim. Return the experts this rank holds, each as a
+    view of its local stack: a plain tensor when the rank holds it whole (replicas are deduplicated
+    by DCP), else a DTensor over the mesh dims that split it, so DCP reads and writes exactly this
+    rank's slice of each per-expert HF tensor. Unsharded stacks are returned as they are."""
+    if not isinstance(stacked, DTensor):
+        return stacked
+    mesh, placements = stacked.device_mesh, stacked.placements
+    expert_dims = [i for i, pl in enumerate(placements) if isinstance(pl, Shard) and pl.dim == 0]
+    if len(expert_dims) > 1:
+        raise CheckpointError(f"experts sharded on dim 0 over several mesh dims {placements}: not a meshtrain layout")
+    local, start = stacked.to_local(), 0
+    if expert_dims:
+        (dim,) = expert_dims
+        start = mesh.get_local_rank(dim) * -(-stacked.shape[0] // mesh.size(dim))  # torch.chunk's split
+    inner = [i for i, pl in enumerate(placements) if isinstance(pl, Shard) and pl.dim > 0]
+    shape = stacked.shape[1:]
+    pieces = {}
+    for j in range(local.shape[0]):
+        if inner:
+            sub = mesh[tuple(mesh.mesh_dim_names[i] for i in inner)]
+            pieces[start + j] = DTensor.from_local(local[j], sub, [Shard(placements[i].dim - 1) for i in inner],
+                                                   run_check=False, shape=shape,
+                                                   stride=torch.empty(shape, device="meta").stride())
+        else:
+            pieces[start + j] = local[j]
+    return pieces
 
-    if any(isinstance(p, DTensor) for part in parts for n, p in part.named_parameters() if ".experts." in n):
-        raise CheckpointError(f"{what} of an MoE model ({parts[0].cfg.family}) needs its experts unsharded on "
-                              "each rank in this version (reading per-expert safetensors into experts sharded by "
-                              "FSDP or EP is issue #7). Fix: run it on one rank (e.g. meshtrain "
-                              "convert without torchrun)")
+
+def _hf_state(part: Transformer, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    return to_hf({n: expert_pieces(p.detach()) if ".experts." in n else p.detach()
+                  for n, p in part.named_parameters()}, cfg)
 
 
 @torch.no_grad()
 def load_hf_weights(parts: list[Transformer], directory: str) -> None:
     """Fill this rank's model parts (any layout) from a Hugging Face directory."""
     cfg = parts[0].cfg
-    check_expert_io(parts, "importing Hugging Face weights")
     inspect_hf_dir(directory, hf_shapes(cfg))
     for part in parts:  # the same number of parts on every rank, so the collectives pair up
-        state = to_hf({n: p.detach() for n, p in part.named_parameters()}, cfg)
+        state = _hf_state(part, cfg)
         dcp.load(state, storage_reader=HuggingFaceStorageReader(directory))
         part.reset_buffers()
 
@@ -163,7 +186,6 @@ def save_hf(parts: list[Transformer], directory: str, dtypes: dict[str, torch.dt
     """Write this job's model (every rank calls this with its parts) as a Hugging Face directory.
     ``dtypes``: HF key -> stored dtype (``export_dtypes``)."""
     cfg: ModelConfig = parts[0].cfg
-    check_expert_io(parts, "exporting Hugging Face weights")
     out = check_export_target(directory)
     tmp = out.with_name(out.name + INCOMPLETE)
     if _is_main():
@@ -173,7 +195,7 @@ def save_hf(parts: list[Transformer], directory: str, dtypes: dict[str, torch.dt
     plan = shard_plan(hf_shapes(cfg), dtypes, max_shard_bytes)
     state = {}
     for part in parts:
-        state.update({k: p.detach().to(dtypes[k]) for k, p in to_hf(dict(part.named_parameters()), cfg).items()})
+        state.update({k: p.to(dtypes[k]) for k, p in _hf_state(part, cfg).items()})
     dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(tmp), fqn_to_index_mapping=plan,
                                                             save_distributed=True, enable_consolidation=True))
     if _is_main():
