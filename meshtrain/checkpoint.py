@@ -109,7 +109,7 @@ def _load(state: dict, parts: list[nn.Module], path: pathlib.Path) -> None:
                               f"({type(first).__name__}: {detail})") from None
     for part in parts:  # strict=False: ``state`` holds every part of this rank
         set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
-        part.reset_buffers()
+        part.reset_buffers(keep_loaded=True)
 
 
 class Checkpointer:
@@ -206,7 +206,7 @@ class Checkpointer:
         for part, opt in zip(t.parts, t.optimizers):
             set_optimizer_state_dict(part, opt, state["optimizer"], options=OPTIM_OPTIONS)
         for sched in t.schedulers:
-            sched.load_state_dict(meta["lr_scheduler"])
+            restore_schedule(sched, meta["lr_scheduler"])
         t.stream.load_state_dict(meta["data"])
         rank = dist.get_rank() if dist.is_initialized() else 0
         if same_world:
@@ -263,3 +263,12 @@ def model_config_of(path: pathlib.Path) -> ModelConfig:
     from meshtrain.config import from_dict
 
     return from_dict(ModelConfig, read_meta(path)["model"])
+
+
+def restore_schedule(sched: torch.optim.lr_scheduler.LRScheduler, saved: dict) -> None:
+    """Load the schedule's position, not its per-param-group lists: the layout decides the groups
+    (expert-parallel experts get their own), and every group has the same lr here, so the saved
+    lists are re-expanded to this optimizer's groups."""
+    groups = len(sched.optimizer.param_groups)
+    sched.load_state_dict(saved | {"base_lrs": saved["base_lrs"][:1] * groups,
+                                   "_last_lr": saved["_last_lr"][:1] * groups})

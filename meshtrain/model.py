@@ -175,14 +175,16 @@ class Transformer(nn.Module):
         if self.cfg.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def reset_buffers(self) -> None:
-        """Recompute the RoPE tables and zero the routers' state (after ``to_empty`` from the meta device)."""
+    def reset_buffers(self, *, keep_loaded: bool = False) -> None:
+        """Recompute the RoPE tables and zero the routers' state (after ``to_empty`` from the meta
+        device). ``keep_loaded``: a training checkpoint has just filled the persistent buffers (the
+        aux-loss-free routing biases): keep those."""
         cos, sin = rope_tables(self.cfg, device=self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
         for module in self.modules():
             if isinstance(module, MoE):
-                module.reset_state()
+                module.reset_statistics() if keep_loaded else module.reset_state()
 
 
 def count_parameters(cfg: ModelConfig) -> int:

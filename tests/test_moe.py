@@ -287,3 +287,56 @@ def test_convert_round_trip_on_two_ranks_is_bit_exact(tmp_path):
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "verified" in proc.stdout
     assert_same_tensors(read_tensors(directory), read_tensors(tmp_path / "hf"))
+
+
+@pytest.mark.parametrize("how", ["missing-expert", "extra-expert", "wrong-expert-shape"])
+def test_bad_moe_hf_directories_name_the_file_and_key(tmp_path, how):
+    from safetensors.torch import load_file, save_file
+
+    from meshtrain.errors import CheckpointError
+    from meshtrain.hf_io import inspect_hf_dir
+
+    _, directory = hf_dir(tmp_path, "qwen3_moe")
+    (file,) = directory.glob("*.safetensors")
+    tensors = load_file(file)
+    key = "model.layers.1.mlp.experts.3.down_proj.weight"
+    if how == "missing-expert":
+        del tensors[key]
+        message = f"missing tensors {key}"
+    elif how == "extra-expert":  # an expert the config does not have
+        key = "model.layers.1.mlp.experts.8.down_proj.weight"
+        tensors[key] = torch.zeros(64, 32)
+        message = f"unexpected tensors {key}"
+    else:
+        tensors[key] = torch.zeros(32, 64)
+        message = f"{key} has shape [32, 64]"
+    save_file(tensors, file)
+    cfg, _ = model_config_from_hf(json.loads((directory / "config.json").read_text()))
+    with pytest.raises(CheckpointError) as e:
+        inspect_hf_dir(directory, hf_shapes(cfg))
+    assert message in str(e.value)
+    assert (str(directory) if how == "missing-expert" else file.name) in str(e.value)  # a missing key is in no file
+
+
+@pytest.mark.slow
+def test_moe_checkpoint_resumes_under_other_expert_layouts(tmp_path):
+    """An ep2 checkpoint (stacked experts sharded over ep, routing biases) resumed by ep2 (bitwise),
+    by FSDP without ep and by tp2 x etp2: the same per-step losses as the uninterrupted ep2 run."""
+    from tests.conftest import tiny_args, torchrun
+
+    def train(name, nproc, *options):
+        run_dir = tmp_path / name
+        proc = torchrun(nproc, ["-m", "meshtrain", "train", *tiny_args(), *MOE_ARGS, *AUX,
+                                "--model.router-bias-update-rate", "0.01", "--train.steps", "6",
+                                "--logging.jsonl", "True", "--train.run-dir", str(run_dir), *options])
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    whole = train("ep2", 2, "--parallel.ep", "2", "--checkpoint.interval", "3")
+    step3 = str(tmp_path / "ep2" / "checkpoints" / "step-000003")
+    # the routing biases are training state: before they were kept, even this differed (2.8e-5)
+    assert train("ep2-again", 2, "--parallel.ep", "2", "--checkpoint.resume", step3) == whole[3:]
+    for name, layout in [("fsdp2", []), ("tp2-etp2", ["--parallel.tp", "2", "--parallel.sp", "True",
+                                                      "--parallel.etp", "2"])]:
+        resumed = train(name, 2, "--checkpoint.resume", step3, *layout)
+        torch.testing.assert_close(resumed, whole[3:], rtol=1e-5, atol=0)
