@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -43,7 +44,13 @@ def torchrun(nproc: int, args: list[str], timeout: int = 600, env: dict | None =
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), **(env or {})}
     full_env.pop("MESHTRAIN_DEVICE", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode:
+        # Tests print the tail of stderr; the rank that failed first is often far above it.
+        causes = [line for line in proc.stderr.splitlines()
+                  if re.search(r"terminate called|what\(\)|\w+(Error|Exception):|enforce fail", line)]
+        proc.stderr += "\n--- error lines of every rank, in order ---\n" + "\n".join(causes[:30])
+    return proc
 
 
 @pytest.fixture
