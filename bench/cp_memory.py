@@ -43,7 +43,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.tensor import DTensor
 
     from meshtrain.context_parallel import sequence_sharded
-    from meshtrain.distributed import init_distributed, shutdown
+    from meshtrain.distributed import exit_process, init_distributed, shutdown
     from meshtrain.mesh import build_mesh, plan_layout
     from meshtrain.train import build_model, cross_entropy
 
@@ -83,8 +83,11 @@ def worker(args: argparse.Namespace) -> None:
         dist.all_gather_object(gathered, mine)
         if dist.get_rank() == 0:
             pathlib.Path(args.result).write_text(json.dumps(gathered))
-    finally:
-        shutdown(synchronize=True)
+    except BaseException:
+        shutdown()
+        raise
+    shutdown(synchronize=True)
+    exit_process(0)  # gloo can abort in interpreter finalisation: see exit_process
 
 
 def planner_estimate(args: argparse.Namespace, cp: int) -> float:

@@ -105,7 +105,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from meshtrain.convert import build_sharded
-    from meshtrain.distributed import init_distributed, shutdown
+    from meshtrain.distributed import exit_process, init_distributed, shutdown
     from meshtrain.hf_adapter import resolve_init_from_hf
     from meshtrain.hf_io import export_dtypes, load_hf_weights, save_hf
 
@@ -132,8 +132,11 @@ def worker(args) -> None:
         dist.all_gather_object(results, result)
         if runtime.is_main:
             (out / "ranks.json").write_text(json.dumps(results))
-    finally:
+    except BaseException:
         shutdown()
+        raise
+    shutdown(synchronize=True)
+    exit_process(0)  # gloo can abort in interpreter finalisation: see exit_process
 
 
 def driver(args) -> None:

@@ -46,7 +46,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
     from meshtrain.config import JobConfig, from_dict
-    from meshtrain.distributed import init_distributed, shutdown
+    from meshtrain.distributed import exit_process, init_distributed, shutdown
     from meshtrain.mesh import build_mesh, plan_layout
     from meshtrain.train import Trainer
 
@@ -102,8 +102,11 @@ def worker(args: argparse.Namespace) -> None:
         dist.all_gather_object(gathered, mine)
         if dist.get_rank() == 0:
             pathlib.Path(args.result).write_text(json.dumps(gathered))
-    finally:
+    except BaseException:
         shutdown()
+        raise
+    shutdown(synchronize=True)
+    exit_process(0)  # gloo can abort in interpreter finalisation: see exit_process
 
 
 def driver(args: argparse.Namespace) -> None:
