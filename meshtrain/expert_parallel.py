@@ -37,6 +37,15 @@ from torch.distributed.tensor.parallel import ParallelStyle
 ETP_DIMS = {"gate_proj": 1, "up_proj": 1, "down_proj": 2}
 
 
+def _expert_major_order(counts_by_source: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Rows arrive grouped (source rank, local expert), ``counts_by_source[src, e]`` each; the
+    experts want them grouped (local expert, source): the permutation that regroups them."""
+    sources, local_experts = counts_by_source.shape
+    by_source = torch.arange(int(counts_by_source.sum()), device=device).split(counts_by_source.flatten().tolist())
+    order = [by_source[src * local_experts + e] for e in range(local_experts) for src in range(sources)]
+    return torch.cat(order) if order else torch.zeros(0, dtype=torch.long, device=device)
+
+
 def _gather_over_etp(x: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup, etp: int):
     """All-gather this rank's token copies (sorted by local expert, ``counts`` each) over the etp
     group, as one autograd all-to-all of the repeated input (its backward sums the etp ranks'
@@ -47,10 +56,7 @@ def _gather_over_etp(x: torch.Tensor, counts: torch.Tensor, group: dist.ProcessG
     all_counts = all_counts.view(etp, -1)
     mine, theirs = x.shape[0], all_counts.sum(1).tolist()
     gathered = all_to_all_single_autograd(x.repeat(etp, 1), theirs, [mine] * etp, group)
-    local_experts = counts.numel()
-    by_source = torch.arange(gathered.shape[0], device=x.device).split(all_counts.flatten().tolist())
-    order = [by_source[src * local_experts + e] for e in range(local_experts) for src in range(etp)]
-    order = torch.cat(order) if order else torch.zeros(0, dtype=torch.long, device=x.device)
+    order = _expert_major_order(all_counts, x.device)
     return gathered[order], all_counts.sum(0), (order, mine, theirs)
 
 
@@ -89,10 +95,7 @@ class ExpertParallel(ParallelStyle):
             counts_in = counts_in.view(ep, local_experts)
             recv = counts_in.sum(1).tolist()
             received = all_to_all_single_autograd(x, recv, send, group)
-            # received is grouped (source rank, local expert); the experts want (local expert, source)
-            by_source = torch.arange(received.shape[0], device=x.device).split(counts_in.flatten().tolist())
-            order = [by_source[src * local_experts + e] for e in range(local_experts) for src in range(ep)]
-            order = torch.cat(order) if order else torch.zeros(0, dtype=torch.long, device=x.device)
+            order = _expert_major_order(counts_in, x.device)
             tokens, local_counts, etp_state = received[order], counts_in.sum(0), None
             if etp > 1:
                 tokens, local_counts, etp_state = _gather_over_etp(tokens, local_counts, etp_group, etp)

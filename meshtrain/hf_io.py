@@ -122,17 +122,14 @@ def expert_pieces(stacked: torch.Tensor) -> dict[int, torch.Tensor] | torch.Tens
         (dim,) = expert_dims
         start = mesh.get_local_rank(dim) * -(-stacked.shape[0] // mesh.size(dim))  # torch.chunk's split
     inner = [i for i, pl in enumerate(placements) if isinstance(pl, Shard) and pl.dim > 0]
+    if not inner:
+        return {start + j: local[j] for j in range(local.shape[0])}
+    sub = mesh[tuple(mesh.mesh_dim_names[i] for i in inner)]
+    per_expert = [Shard(placements[i].dim - 1) for i in inner]
     shape = stacked.shape[1:]
-    pieces = {}
-    for j in range(local.shape[0]):
-        if inner:
-            sub = mesh[tuple(mesh.mesh_dim_names[i] for i in inner)]
-            pieces[start + j] = DTensor.from_local(local[j], sub, [Shard(placements[i].dim - 1) for i in inner],
-                                                   run_check=False, shape=shape,
-                                                   stride=torch.empty(shape, device="meta").stride())
-        else:
-            pieces[start + j] = local[j]
-    return pieces
+    stride = torch.empty(shape, device="meta").stride()
+    return {start + j: DTensor.from_local(local[j], sub, per_expert, run_check=False, shape=shape, stride=stride)
+            for j in range(local.shape[0])}
 
 
 def _hf_state(part: Transformer, cfg: ModelConfig) -> dict[str, torch.Tensor]:

@@ -43,6 +43,7 @@ from meshtrain.pipeline import Pipeline, split_for_stage, stage_ids_for_rank
 from meshtrain.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from meshtrain.tensor_parallel import apply_tensor_parallel, grads_to_param_placements, sum_moe_grads_over_tp
 
+
 def build_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device, stage: int | None = None, *,
                 initialize: bool = True) -> Transformer:
     """The whole model, or pipeline stage ``stage`` of it: built on meta, sharded, then initialised
@@ -56,7 +57,7 @@ def build_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device, stage:
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=cfg.parallel.sp,
                               loss_parallel=cfg.parallel.loss_parallel)
     experts: set[torch.nn.Parameter] = set()
-    if mesh.size("ep") * mesh.size("etp") > 1:
+    if mesh.experts is not None:
         for module in model.modules():
             if isinstance(module, MoE):
                 parallelize_module(module.experts, mesh.expert_grid, ExpertParallel())
@@ -112,7 +113,7 @@ class Trainer:
             self.parts = [build_model(cfg, mesh, runtime.device, initialize=from_scratch)]
         self.params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
         self.expert_params = [p for part in self.parts for p in expert_parameters(part)] \
-            if mesh.size("ep") * mesh.size("etp") > 1 else []
+            if mesh.experts is not None else []
         # One optimizer per part: torch's optimizer state dicts are per (module, optimizer) pair.
         self.optimizers = [build_optimizer([part], cfg.optimizer) for part in self.parts]
         self.schedulers = [build_lr_scheduler(opt, t.steps, cfg.lr_schedule) for opt in self.optimizers]
