@@ -53,6 +53,8 @@ def measure_training_state(trainer) -> dict:
 
 
 def mesh_coordinates(mesh) -> dict:
-    """The coordinates the planner needs to name this rank's share (pp stage, tp slice, FSDP shard)."""
+    """The coordinates the planner needs to name this rank's share (pp stage, tp slice, FSDP shard,
+    expert FSDP shard)."""
     return {"pp_rank": mesh["pp"].get_local_rank(), "tp_rank": mesh["tp"].get_local_rank(),
-            "fsdp_rank": mesh["dp_shard_cp"].get_local_rank()}
+            "fsdp_rank": mesh["dp_shard_cp"].get_local_rank(),
+            "edp_rank": mesh["edp"].get_local_rank() if mesh.experts is not None else 0}

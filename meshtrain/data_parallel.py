@@ -5,15 +5,23 @@ mesh is 2-D (replicate, shard) and gradients are also all-reduced across replica
 its own FSDP unit so only one block's full parameters exist at a time; the root unit holds the
 embedding, final norm and output projection. Composes with tensor parallelism: FSDP shards the
 already tp-sharded DTensors along their data-parallel mesh dims.
+
+Expert-parallel experts are their own FSDP unit on the expert mesh's "edp" dim instead (expert data
+parallel: the ranks holding the same experts). Their stack [E/ep, ...] is split further on dim 0
+over edp, so a rank keeps E / (ep * edp) experts between uses. Each edp rank's gradient is one
+summand of the stage's loss (the ep, and tp, ranks in between bring other tokens), so the
+reduce-scatter sums over edp and divides by dp x cp: the mean over the sequences, as the dense
+weights get it. ep folds over tp as well, but tp ranks share one loss, so tp is not in the divisor.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from meshtrain.mesh import ParallelMesh
 from meshtrain.model import Transformer
+from meshtrain.moe import MoE
 
 MIXED_PRECISION = {
     "fp32": MixedPrecisionPolicy(),
@@ -21,14 +29,20 @@ MIXED_PRECISION = {
 }
 
 
-def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, *, mixed_precision: str,
-               reshard_after_forward: bool, ignored: set[torch.nn.Parameter] = frozenset()) -> None:
-    """``ignored``: parameters FSDP leaves alone (expert-parallel experts, reduced by expert_parallel)."""
+def apply_fsdp(model: Transformer, mesh: ParallelMesh, *, mixed_precision: str, reshard_after_forward: bool) -> None:
     policy = MIXED_PRECISION[mixed_precision]
+    if mesh.experts is not None:
+        for moe in (m for m in model.modules() if isinstance(m, MoE)):
+            fully_shard(moe.experts, mesh=mesh["edp"], mp_policy=policy, reshard_after_forward=reshard_after_forward)
+            moe.experts.set_gradient_divide_factor(float(mesh.size("dp_cp")))
+            # A divisor other than the group size is NCCL's PREMUL_SUM, which gloo lacks; a plain
+            # sum and one division of the reduced shard work on every backend. Not on one rank:
+            # torch 2.13 then divides twice (its no-communication path divides, then the post-divide).
+            moe.experts.set_force_sum_reduction_for_comms(mesh.size("edp") > 1)
+    if mesh.size("dp_cp") == 1:
+        return
     for layer in model.layers.values():
-        mine = {p for p in layer.parameters() if p in ignored}
-        fully_shard(layer, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
-                    ignored_params=mine or None)
+        fully_shard(layer, mesh=mesh.fsdp, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     # The root's parameters (embedding, norm, lm_head) are used again first thing in backward:
     # keeping them unsharded after forward saves an all-gather for little memory.
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh.fsdp, mp_policy=policy, reshard_after_forward=False)

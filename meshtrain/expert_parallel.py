@@ -15,11 +15,8 @@ compute every token copy the group received (gathered over etp before the expert
 outputs reduce-scattered after: Megatron's scheme, without its padding).
 
 ep (x etp) folds over the dp x cp x tp ranks of a pipeline stage: an ep group is ep ranks that each
-bring their own tokens. The experts are replicated over the edp = world / (pp * ep * etp) groups
-(an all-reduce, not FSDP: they are not sharded over edp yet), so after
-backward ``reduce_expert_grads`` sums their gradients over edp and divides by dp x cp, giving the
-gradient of the mean loss, as FSDP does for the dense weights (the tp ranks of a dp x cp rank hold
-slices of one sequence, so their summands are added, not averaged).
+bring their own tokens. The edp = world / (pp * ep * etp) groups hold the same experts; FSDP shards
+them over edp and reduces their gradients (``data_parallel.apply_fsdp``).
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 
@@ -115,15 +112,3 @@ class ExpertParallel(ParallelStyle):
 
 def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
     return [p for n, p in module.named_parameters() if ".experts." in f".{n}" or n.startswith("experts.")]
-
-
-@torch.no_grad()
-def reduce_expert_grads(params: list[torch.Tensor], edp_group: dist.ProcessGroup | None, loss_ranks: int) -> None:
-    """Expert gradients -> the gradient of the mean loss over the stage's ranks (see the module doc)."""
-    for p in params:
-        if p.grad is None:
-            continue
-        local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        if edp_group is not None:
-            dist.all_reduce(local, group=edp_group)
-        local.div_(loss_ranks)

@@ -28,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.tensor import DTensor, Shard
 
+from meshtrain._torch_private import StridedShard
 from meshtrain.config import ModelConfig
 from meshtrain.errors import CheckpointError
 from meshtrain.hf_adapter import DTYPE_NAMES, DTYPES, hf_config_from_model, hf_shapes, to_hf
@@ -105,8 +106,22 @@ def inspect_hf_dir(directory: str | pathlib.Path, expected: dict[str, torch.Size
 _TORCH_DTYPE = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 
 
+def _first_expert(stacked: DTensor) -> int:
+    """The global index of the first expert in this rank's local stack. Each mesh dim that shards
+    dim 0 splits the block the previous ones left, as ``torch.chunk`` does; FSDP's dim (a strided
+    shard: experts over edp) splits what ep left this rank, so it comes last."""
+    mesh, placements = stacked.device_mesh, stacked.placements
+    order = [i for i, pl in enumerate(placements) if isinstance(pl, Shard) and pl.dim == 0]
+    order += [i for i, pl in enumerate(placements) if isinstance(pl, StridedShard) and pl.dim == 0]
+    start, rows = 0, stacked.shape[0]
+    for dim in order:
+        chunk, rank = -(-rows // mesh.size(dim)), mesh.get_local_rank(dim)
+        start, rows = start + rank * chunk, max(0, min(chunk, rows - rank * chunk))
+    return start
+
+
 def expert_pieces(stacked: torch.Tensor) -> dict[int, torch.Tensor] | torch.Tensor:
-    """HF keeps one tensor per expert, meshtrain a stack [E, ...] that EP or FSDP shards on dim 0
+    """HF keeps one tensor per expert, meshtrain a stack [E, ...] that EP and FSDP shard on dim 0
     (whole experts per rank) and ETP on an FFN dim. Return the experts this rank holds, each as a
     view of its local stack: a plain tensor when the rank holds it whole (replicas are deduplicated
     by DCP), else a DTensor over the mesh dims that split it, so DCP reads and writes exactly this
@@ -114,16 +129,12 @@ def expert_pieces(stacked: torch.Tensor) -> dict[int, torch.Tensor] | torch.Tens
     if not isinstance(stacked, DTensor):
         return stacked
     mesh, placements = stacked.device_mesh, stacked.placements
-    expert_dims = [i for i, pl in enumerate(placements) if isinstance(pl, Shard) and pl.dim == 0]
-    if len(expert_dims) > 1:
-        raise CheckpointError(f"experts sharded on dim 0 over several mesh dims {placements}: not a meshtrain layout")
-    local, start = stacked.to_local(), 0
-    if expert_dims:
-        (dim,) = expert_dims
-        start = mesh.get_local_rank(dim) * -(-stacked.shape[0] // mesh.size(dim))  # torch.chunk's split
-    inner = [i for i, pl in enumerate(placements) if isinstance(pl, Shard) and pl.dim > 0]
+    local, start = stacked.to_local(), _first_expert(stacked)
+    inner = [i for i, pl in enumerate(placements) if isinstance(pl, (Shard, StridedShard)) and pl.dim > 0]
     if not inner:
         return {start + j: local[j] for j in range(local.shape[0])}
+    if any(isinstance(placements[i], StridedShard) for i in inner):
+        raise CheckpointError(f"experts sharded {placements}: an FFN dim split twice is not a meshtrain layout")
     sub = mesh[tuple(mesh.mesh_dim_names[i] for i in inner)]
     per_expert = [Shard(placements[i].dim - 1) for i in inner]
     shape = stacked.shape[1:]

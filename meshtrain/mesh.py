@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshtrain._torch_mesh import flatten, unflatten
+from meshtrain._torch_private import flatten, unflatten
 from meshtrain.config import JobConfig, ParallelConfig
 from meshtrain.errors import ConfigError
 

@@ -328,10 +328,6 @@ class Sizes:
     def edp(self) -> int:
         return self.world // (self.pp * self.ep * self.etp)
 
-    @property
-    def edp_shard(self) -> int:
-        return self.edp // self.dp_replicate
-
 
 def _chunk(n: int, parts: int, index: int) -> int:
     """Length of piece ``index`` when torch.chunk cuts n into ``parts`` (FSDP2's dim-0 split)."""
@@ -339,14 +335,15 @@ def _chunk(n: int, parts: int, index: int) -> int:
     return max(0, min(size, n - index * size))
 
 
-def local_elements(t: ParamTensor, sizes: Sizes, *, tp_rank: int = 0, fsdp_rank: int = 0, fsdp: bool = True) -> int:
+def local_elements(t: ParamTensor, sizes: Sizes, *, tp_rank: int = 0, fsdp_rank: int = 0, edp_rank: int = 0,
+                   fsdp: bool = True) -> int:
     """Elements of ``t`` held by the rank at these coordinates (rank 0 of each group holds the most)."""
     shape = list(t.shape)
     if t.expert and sizes.ep * sizes.etp > 1:
         shape[0] //= sizes.ep
         if sizes.etp > 1:
             shape[t.tp_dim] //= sizes.etp
-        shards = sizes.edp_shard
+        shards, fsdp_rank = sizes.edp, edp_rank  # FSDP splits each ep shard over all of edp (HSDP too)
     else:  # dense tensors, and experts without ep/etp (FSDP shards them with the dense ones)
         if t.tp_dim is not None and sizes.tp > 1 and not t.expert:
             shape[t.tp_dim] = _chunk(shape[t.tp_dim], sizes.tp, tp_rank)
@@ -379,10 +376,11 @@ def stage_ids_of(pp_rank: int, sizes: Sizes, schedule: str) -> list[int]:
 
 
 def rank_parameters(s: ModelShape, sizes: Sizes, schedule: str, *, pp_rank: int = 0, tp_rank: int = 0,
-                    fsdp_rank: int = 0, fsdp: bool = True) -> int:
+                    fsdp_rank: int = 0, edp_rank: int = 0, fsdp: bool = True) -> int:
     """Parameter elements on one rank: its pipeline stages, its tp/ep slice, its FSDP shard."""
     mine = stage_tensors(parameter_tensors(s), s, sizes, stage_ids_of(pp_rank, sizes, schedule))
-    return sum(local_elements(t, sizes, tp_rank=tp_rank, fsdp_rank=fsdp_rank, fsdp=fsdp) for t in mine)
+    return sum(local_elements(t, sizes, tp_rank=tp_rank, fsdp_rank=fsdp_rank, edp_rank=edp_rank, fsdp=fsdp)
+               for t in mine)
 
 
 # ---- bytes per parameter and per activation ----------------------------------------------------
@@ -406,12 +404,13 @@ def precision_of(cfg: PlanConfig) -> Precision:
     return Precision(2, 2, 4, 2, f"{cfg.precision} weights, grads and Adam m and v (no master copy)")
 
 
-def trainer_rank_state(cfg: JobConfig, layout, *, pp_rank: int, tp_rank: int, fsdp_rank: int) -> dict:
+def trainer_rank_state(cfg: JobConfig, layout, *, pp_rank: int, tp_rank: int, fsdp_rank: int,
+                       edp_rank: int = 0) -> dict:
     """The plan's parameter elements and parameter/grad/optimizer bytes for one rank of a trainer
     run with ``cfg`` on ``layout`` (the figures ``allocation.measure_training_state`` measures)."""
     prec = precision_of(PlanConfig(precision={"fp32": "fp32", "bf16": "bf16-mixed"}[cfg.train.mixed_precision]))
     n = rank_parameters(shape_from_model_config(cfg.model, cfg.model.family), sizes_of(layout), layout.pp_schedule,
-                        pp_rank=pp_rank, tp_rank=tp_rank, fsdp_rank=fsdp_rank)
+                        pp_rank=pp_rank, tp_rank=tp_rank, fsdp_rank=fsdp_rank, edp_rank=edp_rank)
     return {"param_elements": n, "param_bytes": n * prec.weights, "grad_bytes": n * prec.grads,
             "optimizer_bytes": n * prec.optimizer}
 

@@ -30,7 +30,7 @@ from meshtrain.data_parallel import apply_fsdp
 from meshtrain.distributed import (Runtime, collective_error, init_distributed, is_collective_failure, shutdown,
                                    world_size_from_env)
 from meshtrain.errors import ConfigError, TrainingError
-from meshtrain.expert_parallel import ExpertParallel, expert_parameters, reduce_expert_grads
+from meshtrain.expert_parallel import ExpertParallel, expert_parameters
 from meshtrain.hf_adapter import read_hf_config, resolve_init_from_hf
 from meshtrain.hf_io import check_export_target, export_dtypes, load_hf_weights, save_hf, tokenizer_files
 from meshtrain.initialize import init_weights
@@ -56,17 +56,13 @@ def build_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device, stage:
     if mesh.size("tp") > 1:
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=cfg.parallel.sp,
                               loss_parallel=cfg.parallel.loss_parallel)
-    experts: set[torch.nn.Parameter] = set()
     if mesh.experts is not None:
         for module in model.modules():
             if isinstance(module, MoE):
                 parallelize_module(module.experts, mesh.expert_grid, ExpertParallel())
-                experts.update(module.experts.parameters())
-    if mesh.size("dp_cp") > 1:
-        apply_fsdp(model, mesh.fsdp, mixed_precision=cfg.train.mixed_precision,
-                   reshard_after_forward=reshard_after_forward(cfg.parallel.fsdp_reshard_after_forward, mesh.size("pp")),
-                   ignored=experts)
-    elif cfg.train.mixed_precision == "bf16":
+    apply_fsdp(model, mesh, mixed_precision=cfg.train.mixed_precision,
+               reshard_after_forward=reshard_after_forward(cfg.parallel.fsdp_reshard_after_forward, mesh.size("pp")))
+    if mesh.size("dp_cp") == 1 and cfg.train.mixed_precision == "bf16":
         model.forward = torch.autocast(device.type, dtype=torch.bfloat16)(model.forward)  # FSDP's policy casts otherwise
     model.to_empty(device=device)
     model.tie_weights()
@@ -112,8 +108,6 @@ class Trainer:
         else:
             self.parts = [build_model(cfg, mesh, runtime.device, initialize=from_scratch)]
         self.params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
-        self.expert_params = [p for part in self.parts for p in expert_parameters(part)] \
-            if mesh.experts is not None else []
         # One optimizer per part: torch's optimizer state dicts are per (module, optimizer) pair.
         self.optimizers = [build_optimizer([part], cfg.optimizer) for part in self.parts]
         self.schedulers = [build_lr_scheduler(opt, t.steps, cfg.lr_schedule) for opt in self.optimizers]
@@ -139,7 +133,7 @@ class Trainer:
             moe.aux_loss_scale = 1.0 if self.pipeline is not None else 1.0 / self.stream.accum
             if mesh.size("cp_tp") > 1:  # the balancing loss counts whole sequences
                 moe.sequence_group, moe.aux_grad_scale = mesh["cp_tp"].get_group(), mesh.size("cp")
-        experts = {id(p) for p in self.expert_params}
+        experts = {id(p) for part in self.parts for p in expert_parameters(part)} if mesh.experts is not None else {}
         self.tp_summed_params = [p for moe in self.moe_layers for p in moe.parameters()
                                  if id(p) not in experts] if mesh.size("tp") > 1 else []
         self.peak_tflops = peak_tflops(cfg.logging, runtime.device)
@@ -176,9 +170,6 @@ class Trainer:
                                 "or enable train.grad_clip")
         if self.tp_summed_params:
             sum_moe_grads_over_tp(self.tp_summed_params, self.mesh["tp"])
-        if self.expert_params:
-            edp = self.mesh["edp"]
-            reduce_expert_grads(self.expert_params, edp.get_group() if edp.size() > 1 else None, dp_cp.size())
         grads_to_param_placements(self.params)
         grad_norm = clip_grad_norm_(self.params, t.grad_clip, self.mesh).item()
         if not math.isfinite(grad_norm):

@@ -169,7 +169,9 @@ MOE_LAYOUTS = {  # name: (ranks, options, extra model options, layout line)
     # expert parallel, folded over the data-parallel ranks; edp = world / (pp * ep)
     "ep2": (2, ["--parallel.ep", "2"], (), "DP2 CP1 EP2"),
     "ep4": (4, ["--parallel.ep", "4"], (), "DP4 CP1 EP4"),
-    "ep2-edp2": (4, ["--parallel.ep", "2"], (), "DP4 CP1 EP2"),
+    "ep2-edp2": (4, ["--parallel.ep", "2"], (), "DP4 CP1 EP2"),  # FSDP splits each ep shard over edp
+    "ep2-edp2-uneven": (4, ["--parallel.ep", "2"], ("--model.num-experts", "2", "--model.num-experts-per-tok", "1"),
+                        "DP4 CP1 EP2"),  # 1 expert per ep rank over edp2: FSDP pads, one edp rank holds none
     "pp2-ep2": (4, ["--parallel.pp", "2", "--parallel.ep", "2"], ("--model.num-hidden-layers", "4"), "PP2 DP2 CP1 EP2"),
     "hsdp2x2-ep2-bias-balancing": (4, ["--parallel.dp-replicate", "2", "--parallel.ep", "2"],
                                    ("--model.router-bias-update-rate", "0.01"), "EP2 [HSDP 2x2]"),
@@ -195,6 +197,8 @@ MOE_LAYOUTS = {  # name: (ranks, options, extra model options, layout line)
     # expert tensor parallel: each expert's FFN split over etp (tokens gathered in, reduce-scattered out)
     "ep2-etp2": (4, ["--parallel.ep", "2", "--parallel.etp", "2"], AUX + ("--model.shared-expert-intermediate-size", "48"),
                  "DP4 CP1 EP2 [ETP2]"),
+    "tp2-dp4-ep2-etp2-edp2": (8, ["--parallel.tp", "2", "--parallel.sp", "True", "--parallel.ep", "2", "--parallel.etp",
+                                  "2"], AUX, "TP2 PP1 DP4 CP1 EP2 [SP, ETP2]"),  # FSDP over (edp, ep, etp)
     "tp2-etp2": (2, ["--parallel.tp", "2", "--parallel.sp", "True", "--parallel.etp", "2"], AUX,
                  "TP2 PP1 DP1 CP1 EP1 [SP, ETP2]"),
     # the 5-D run of issue #6: pp2 x dp2 x tp2 with ep2 folded over dp x tp, on 8 ranks
@@ -242,11 +246,16 @@ def test_convert_round_trip_is_bit_exact(tmp_path, family):
         torch.testing.assert_close(again(tokens).logits, hf(tokens).logits)
 
 
-SHARDED_IMPORTS = {  # name: (ranks, family, layout); the experts sharded by FSDP, EP and ETP
-    "mixtral-fsdp2": (2, "mixtral", []),
-    "qwen3_moe-ep2": (2, "qwen3_moe", ["--parallel.ep", "2"]),
-    "qwen3_moe-tp2-sp-etp2": (2, "qwen3_moe", ["--parallel.tp", "2", "--parallel.sp", "True", "--parallel.etp", "2"]),
-    "mixtral-ep2-etp2": (4, "mixtral", ["--parallel.ep", "2", "--parallel.etp", "2"]),
+SHARDED_IMPORTS = {  # name: (ranks, family, layout, HF config); the experts sharded by FSDP, EP and ETP
+    "mixtral-fsdp2": (2, "mixtral", [], {}),
+    "qwen3_moe-ep2": (2, "qwen3_moe", ["--parallel.ep", "2"], {}),
+    "qwen3_moe-tp2-sp-etp2": (2, "qwen3_moe", ["--parallel.tp", "2", "--parallel.sp", "True", "--parallel.etp", "2"],
+                              {}),
+    "mixtral-ep2-etp2": (4, "mixtral", ["--parallel.ep", "2", "--parallel.etp", "2"], {}),
+    # FSDP splits each rank's ep shard over edp: 8 experts, 2 per rank
+    "qwen3_moe-ep2-edp2": (4, "qwen3_moe", ["--parallel.ep", "2"], {}),
+    # 2 experts, 1 per ep rank, over edp2: FSDP pads, one rank of each edp pair holds none
+    "mixtral-ep2-edp2-uneven": (4, "mixtral", ["--parallel.ep", "2"], {"num_local_experts": 2}),
 }
 
 
@@ -260,8 +269,8 @@ def test_sharded_moe_import_matches_transformers_and_exports_bit_exact(tmp_path,
     from tests.hf_worker import TOKENS
     from tests.test_checkpoint_parallel import TINY_NO_MODEL
 
-    nproc, family, layout = SHARDED_IMPORTS[name]
-    hf, directory = hf_dir(tmp_path, family, vocab_size=384)
+    nproc, family, layout, config = SHARDED_IMPORTS[name]
+    hf, directory = hf_dir(tmp_path, family, vocab_size=384, **config)
     out = tmp_path / "out"
     out.mkdir()
     proc = torchrun(nproc, ["tests/hf_worker.py", str(out), *TINY_NO_MODEL, *layout, "--model.init-from-hf",
@@ -321,7 +330,8 @@ def test_bad_moe_hf_directories_name_the_file_and_key(tmp_path, how):
 @pytest.mark.slow
 def test_moe_checkpoint_resumes_under_other_expert_layouts(tmp_path):
     """An ep2 checkpoint (stacked experts sharded over ep, routing biases) resumed by ep2 (bitwise),
-    by FSDP without ep and by tp2 x etp2: the same per-step losses as the uninterrupted ep2 run."""
+    by FSDP without ep, by tp2 x etp2 and by ep2 x edp2: the same per-step losses as the
+    uninterrupted ep2 run."""
     from tests.conftest import tiny_args, torchrun
 
     def train(name, nproc, *options):
@@ -336,7 +346,8 @@ def test_moe_checkpoint_resumes_under_other_expert_layouts(tmp_path):
     step3 = str(tmp_path / "ep2" / "checkpoints" / "step-000003")
     # the routing biases are training state: before they were kept, even this differed (2.8e-5)
     assert train("ep2-again", 2, "--parallel.ep", "2", "--checkpoint.resume", step3) == whole[3:]
-    for name, layout in [("fsdp2", []), ("tp2-etp2", ["--parallel.tp", "2", "--parallel.sp", "True",
-                                                      "--parallel.etp", "2"])]:
-        resumed = train(name, 2, "--checkpoint.resume", step3, *layout)
+    for name, nproc, layout in [("fsdp2", 2, []),
+                                ("tp2-etp2", 2, ["--parallel.tp", "2", "--parallel.sp", "True", "--parallel.etp", "2"]),
+                                ("ep2-edp2", 4, ["--parallel.ep", "2"])]:  # FSDP splits each ep shard over edp
+        resumed = train(name, nproc, "--checkpoint.resume", step3, *layout)
         torch.testing.assert_close(resumed, whole[3:], rtol=1e-5, atol=0)

@@ -211,8 +211,16 @@ LAYOUTS = {
         ("pp2_tp2_vpp2", {"model": {"num_hidden_layers": 4}, "parallel": {"pp": 2, "tp": 2, "vpp": 2},
                           "train": {"micro_batch_size": 1}}),
         ("hsdp2x2", {"parallel": {"dp_replicate": 2}, "train": {"micro_batch_size": 1}}),
+        ("moe_hsdp2x2_ep2", {"model": {"family": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 32},
+                             "parallel": {"dp_replicate": 2, "ep": 2}, "train": {"micro_batch_size": 1}}),
         ("moe_ep2_etp2", {"model": {"family": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 32},
-                          "parallel": {"ep": 2, "etp": 2}, "train": {"micro_batch_size": 1}})],
+                          "parallel": {"ep": 2, "etp": 2}, "train": {"micro_batch_size": 1}}),
+        # FSDP shards each rank's experts over edp = 2 (evenly, and with one expert per ep rank padded)
+        ("moe_ep2_edp2", {"model": {"family": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 32},
+                          "parallel": {"ep": 2}, "train": {"micro_batch_size": 1}}),
+        ("moe_ep2_edp2_uneven", {"model": {"family": "qwen3_moe", "num_experts": 2, "num_experts_per_tok": 1,
+                                           "moe_intermediate_size": 32},
+                                 "parallel": {"ep": 2}, "train": {"micro_batch_size": 1}})],
 }
 
 
@@ -229,7 +237,7 @@ def test_plan_bytes_match_the_trainers_allocation(world, tmp_path):
         for rank in range(world):
             got = json.loads((tmp_path / f"{name}.rank{rank}.json").read_text())
             want = trainer_rank_state(cfg, layout, pp_rank=got["pp_rank"], tp_rank=got["tp_rank"],
-                                      fsdp_rank=got["fsdp_rank"])
+                                      fsdp_rank=got["fsdp_rank"], edp_rank=got["edp_rank"])
             for kind in ("param", "grad", "optimizer"):
                 # within 2%: AdamW's per-tensor step counters are the only bytes the plan leaves out
                 assert got[f"{kind}_bytes"] == pytest.approx(want[f"{kind}_bytes"], rel=0.02), (name, rank, kind)
