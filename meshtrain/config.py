@@ -82,6 +82,10 @@ class ModelConfig:
     router_bias_update_rate: float = 0.0
     """Aux-loss-free balancing (DeepSeek-V3): after each step each expert's routing bias moves by this
     much towards balance (only selection uses the bias, not the weights); 0 disables it."""
+    capacity_factor: float = 0.0
+    """Token dropping: each expert takes at most ceil(capacity_factor * seq_len * top_k / E) token
+    copies of each sequence (first choices of every token before second choices, earlier tokens
+    first: GShard's priority); the rest are dropped (the residual carries them). 0: no dropping."""
 
     @property
     def resolved_head_dim(self) -> int:

@@ -135,6 +135,10 @@ def plan_layout(cfg: JobConfig, world_size: int) -> Layout:
               "(each tp rank routes its own slice of the sequence through the experts)",
               f"use a seq_len that is a multiple of {p.cp * p.tp * (2 if p.cp > 1 else 1)}")
     check_moe_model(m)
+    if m.is_moe and m.capacity_factor > 0 and p.cp * p.tp > 1:
+        _fail(f"model.capacity_factor={m.capacity_factor} with cp*tp = {p.cp}*{p.tp} > 1 is not supported (capacity "
+              "counts each sequence's token copies in order, and cp and tp give each rank only part of a sequence)",
+              "set model.capacity_factor=0 (no dropping), or use dp/ep/pp instead of cp/tp")
     check_expert_layout(m.family, m.num_experts, p.ep, p.etp, world_size, p.pp, p.tp, p.cp)
 
     # Tensor parallel shapes.
@@ -220,6 +224,8 @@ def check_moe_model(m) -> None:
               "list existing layer indices")
     if m.router_aux_loss_coef < 0 or m.router_bias_update_rate < 0:
         _fail("model.router_aux_loss_coef and model.router_bias_update_rate must be >= 0", "use 0 to disable either")
+    if m.capacity_factor < 0:
+        _fail(f"model.capacity_factor={m.capacity_factor} must be >= 0", "use 0 for no token dropping, or e.g. 1.25")
 
 
 def check_expert_layout(family: str, num_experts: int, ep: int, etp: int, world_size: int, pp: int, tp: int,

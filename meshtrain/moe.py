@@ -1,8 +1,11 @@
 """The mixture-of-experts MLP (Qwen3-MoE, Mixtral): router, token-choice top-k dispatch, grouped experts.
 
 Routing: softmax over the router's logits (fp32), the top-k experts per token, their weights
-renormalised to sum to one when ``norm_topk_prob``. No token is dropped: every expert computes
-every token routed to it. With aux-loss-free balancing a per-expert bias is added to the scores
+renormalised to sum to one when ``norm_topk_prob``. By default no token is dropped: every expert
+computes every token routed to it. With ``capacity_factor`` each expert takes at most
+ceil(capacity_factor * S * k / E) copies of each sequence of S tokens (``capacity_mask``); per
+sequence, so which copies drop does not depend on how sequences are grouped into micro-batches and
+dp/ep ranks. With aux-loss-free balancing a per-expert bias is added to the scores
 for choosing the experts only (DeepSeek-V3); the weights stay the softmax probabilities.
 
 Dispatch: the token copies are sorted by expert, each expert runs its SwiGLU on its contiguous
@@ -19,6 +22,8 @@ its tokens per expert for the step's load metrics.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -73,6 +78,17 @@ def sequence_balance_loss(probs: torch.Tensor, indices: torch.Tensor, num_expert
     mine = num_experts * (fraction * prob_sums / tokens).sum(dim=-1).mean()
     value = num_experts * (fraction * total_probs / tokens).sum(dim=-1).mean()
     return mine * grad_scale, value
+
+
+def capacity_mask(indices: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
+    """indices [B, S, k] -> which copies each expert keeps [B, S, k]: per sequence, the first
+    ``capacity`` copies routed to it, counting every token's first choice (in token order) before
+    any second choice (GShard's priority: a token loses its k-th choice before another its first)."""
+    b, s, k = indices.shape
+    by_priority = indices.transpose(1, 2).reshape(b, k * s)
+    one_hot = F.one_hot(by_priority, num_experts)
+    position = (one_hot.cumsum(dim=1) * one_hot).sum(dim=-1) - 1  # among the copies its expert got
+    return (position < capacity).view(b, k, s).transpose(1, 2)
 
 
 class Router(nn.Module):
@@ -154,6 +170,7 @@ class MoE(nn.Module):
         """``shared_expert``: a dense MLP every token also goes through (the model builds it)."""
         super().__init__()
         self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
+        self.capacity_factor = cfg.capacity_factor
         self.gate = Router(cfg)
         self.experts = Experts(cfg)
         self.shared_expert = shared_expert
@@ -168,6 +185,7 @@ class MoE(nn.Module):
         ``sequence_balance_loss``)."""
         # The step's statistics, for the load metrics (reset by the trainer after each step).
         self.register_buffer("tokens_per_expert", torch.zeros(cfg.num_experts), persistent=False)
+        self.register_buffer("dropped_per_expert", torch.zeros(cfg.num_experts), persistent=False)
         self.aux_loss_sum, self.aux_loss_count = 0.0, 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -175,9 +193,16 @@ class MoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         probs, weights, indices = self.gate(flat)
         expert_of_copy = indices.reshape(-1)
-        order = torch.argsort(expert_of_copy, stable=True)
+        routed = torch.bincount(expert_of_copy, minlength=self.num_experts)
+        if self.capacity_factor > 0:
+            capacity = math.ceil(self.capacity_factor * shape[1] * self.top_k / self.num_experts)
+            kept = capacity_mask(indices.view(shape[0], shape[1], self.top_k), self.num_experts, capacity).reshape(-1)
+            copies = kept.nonzero().squeeze(1)
+            order = copies[torch.argsort(expert_of_copy[copies], stable=True)]
+            counts = torch.bincount(expert_of_copy[copies], minlength=self.num_experts)
+        else:
+            order, counts = torch.argsort(expert_of_copy, stable=True), routed
         token_of_copy = order // self.top_k
-        counts = torch.bincount(expert_of_copy, minlength=self.num_experts)
         out = self.experts(flat[token_of_copy], counts)
         out = out * weights.reshape(-1, 1)[order]
         combined = torch.zeros_like(flat).index_add_(0, token_of_copy, out)
@@ -186,7 +211,8 @@ class MoE(nn.Module):
         recompute = torch._C._current_graph_task_id() != -1  # activation checkpointing, in backward
         if not recompute:
             with torch.no_grad():
-                self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
+                self.tokens_per_expert += routed.to(self.tokens_per_expert.dtype)  # routed, dropped or not
+                self.dropped_per_expert += (routed - counts).to(self.dropped_per_expert.dtype)
         if self.training and torch.is_grad_enabled() and self.aux_coef > 0:
             aux, value = sequence_balance_loss(probs.view(shape[0], -1, self.num_experts),
                                                indices.view(shape[0], -1), self.num_experts, self.sequence_group,
@@ -204,6 +230,7 @@ class MoE(nn.Module):
 
     def reset_statistics(self) -> None:
         self.tokens_per_expert.zero_()
+        self.dropped_per_expert.zero_()
         self.aux_loss_sum, self.aux_loss_count = 0.0, 0
 
     def mean_aux_loss(self) -> float | torch.Tensor:

@@ -196,17 +196,21 @@ class Trainer:
     @torch.no_grad()
     def expert_load_step(self) -> dict[str, float]:
         """The step's expert load over all ranks of the stage, per MoE layer: its imbalance (the
-        busiest expert's tokens over the mean) and aux loss, averaged over the model's MoE layers;
-        then the aux-loss-free bias update (same counts on every dp rank, so the same biases)."""
-        device = self.runtime.device
-        counts = torch.stack([m.tokens_per_expert for m in self.moe_layers]) if self.moe_layers else \
-            torch.zeros(0, self.cfg.model.num_experts, device=device)
+        busiest expert's routed tokens over the mean), aux loss and dropped fraction (of the routed
+        token copies, with a capacity factor), averaged over the model's MoE layers; then the
+        aux-loss-free bias update (same counts on every dp rank, so the same biases)."""
+        device, experts = self.runtime.device, self.cfg.model.num_experts
+        both = torch.stack([torch.cat([m.tokens_per_expert, m.dropped_per_expert]) for m in self.moe_layers]) \
+            if self.moe_layers else torch.zeros(0, 2 * experts, device=device)
         stage = self.mesh["stage"]  # each rank routed its own tokens
         if stage.size() > 1:
-            dist.all_reduce(counts, group=stage.get_group())
+            dist.all_reduce(both, group=stage.get_group())
+        counts, dropped = both.split(experts, dim=1)
         imbalance = counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-9)
+        dropped_fraction = dropped.sum(dim=1) / counts.sum(dim=1).clamp(min=1e-9)
         aux = torch.tensor([float(m.mean_aux_loss()) for m in self.moe_layers], device=device)
-        sums = torch.stack([imbalance.sum(), aux.sum(), torch.tensor(float(len(self.moe_layers)), device=device)])
+        sums = torch.stack([imbalance.sum(), aux.sum(), dropped_fraction.sum(),
+                            torch.tensor(float(len(self.moe_layers)), device=device)])
         if self.mesh.size("pp") > 1:  # each stage holds its own layers
             dist.all_reduce(sums, group=self.mesh["pp"].get_group())
         rate = self.cfg.model.router_bias_update_rate
@@ -214,8 +218,11 @@ class Trainer:
             if rate > 0:
                 moe.update_bias(layer_counts, rate)
             moe.reset_statistics()
-        layers = max(sums[2].item(), 1.0)
-        return {"moe_imbalance": sums[0].item() / layers, "moe_aux_loss": sums[1].item() / layers}
+        layers = max(sums[3].item(), 1.0)
+        metrics = {"moe_imbalance": sums[0].item() / layers, "moe_aux_loss": sums[1].item() / layers}
+        if self.cfg.model.capacity_factor > 0:
+            metrics["moe_dropped"] = sums[2].item() / layers
+        return metrics
 
     def fit(self) -> list[dict[str, float]]:
         cfg = self.cfg

@@ -105,11 +105,20 @@ def test_expert_grid_must_fit_a_stage():
     (MOE | {"mlp_only_layers": [5]}, "names layers [5] outside 0..1"),
     (MOE | {"decoder_sparse_step": 0}, "decoder_sparse_step=0 must be >= 1"),
     ({"num_experts": 4}, "model.num_experts=4 on the dense family 'llama'"),
+    (MOE | {"capacity_factor": -1.0}, "model.capacity_factor=-1.0 must be >= 0"),
 ])
 def test_moe_fields_are_checked(model, message):
     with pytest.raises(ConfigError) as info:
         plan(1, {}, model)
     assert message in str(info.value) and "Fix:" in str(info.value)
+
+
+def test_token_dropping_needs_whole_sequences_per_rank():
+    assert plan(4, {"ep": 2, "pp": 2}, MOE | {"capacity_factor": 1.25}).ep == 2
+    for parallel in ({"tp": 2}, {"cp": 2}):
+        with pytest.raises(ConfigError, match=r"capacity_factor=1.25 with cp\*tp = .* is not supported") as info:
+            plan(2, parallel, MOE | {"capacity_factor": 1.25})
+        assert "Fix: set model.capacity_factor=0" in str(info.value)
 
 
 def test_warnings_not_errors():

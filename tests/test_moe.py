@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 
 from meshtrain.config import ModelConfig
@@ -148,6 +149,53 @@ def test_grouped_gemm_experts_equal_the_loop(dtype):
     assert not use_grouped_mm(x, *weights)  # CPU trains with the loop (measured faster there)
 
 
+def test_capacity_keeps_first_choices_before_second_choices():
+    from meshtrain.moe import capacity_mask
+
+    # one sequence of 4 tokens, top-2 of 3 experts; expert 0 is every token's first choice
+    indices = torch.tensor([[[0, 1], [0, 2], [0, 1], [0, 1]]])
+    keep = capacity_mask(indices, 3, capacity=2)
+    # expert 0 keeps tokens 0, 1 (first choices, in order); expert 1 gets first choices of none,
+    # second choices of tokens 0, 2, 3 and keeps 0, 2; expert 2 keeps token 1's
+    assert keep.tolist() == [[[True, True], [True, True], [False, True], [False, False]]]
+    # a first choice outranks an earlier token's second choice
+    keep = capacity_mask(torch.tensor([[[1, 0], [0, 1]]]), 2, capacity=1)
+    assert keep.tolist() == [[[True, False], [True, False]]]
+    # each sequence counts its own copies
+    assert capacity_mask(torch.tensor([[[0]], [[0]]]), 2, capacity=1).all()
+
+
+def test_dropped_copies_contribute_nothing_and_a_large_capacity_drops_none():
+    torch.manual_seed(0)
+    cfg = ModelConfig(family="mixtral", num_experts=4, num_experts_per_tok=2, hidden_size=16,
+                      intermediate_size=24, router_aux_loss_coef=0.0)
+    moe = MoE(cfg)
+    init_weights_like(moe)
+    with torch.no_grad():
+        moe.gate.weight.normal_(0, 1.0)
+    x = torch.randn(2, 12, 16)
+    full = moe(x)
+    moe.capacity_factor = 2.0  # capacity = 12 copies per expert and sequence: nothing can drop
+    torch.testing.assert_close(moe(x), full, rtol=0, atol=0)
+    moe.capacity_factor, moe.tokens_per_expert, moe.dropped_per_expert = 0.5, torch.zeros(4), torch.zeros(4)
+    got = moe(x)
+    assert moe.dropped_per_expert.sum() > 0 and moe.tokens_per_expert.sum() == 2 * 12 * 2
+    # the reference: each token's kept copies, one at a time
+    _, weights, indices = moe.gate(x.reshape(-1, 16))
+    from meshtrain.moe import capacity_mask
+
+    keep = capacity_mask(indices.view(2, 12, 2), 4, capacity=3).reshape(-1, 2)
+    w = moe.experts
+    want = torch.zeros(24, 16)
+    for t, token in enumerate(x.reshape(-1, 16)):
+        for j in range(2):
+            if keep[t, j]:
+                e = indices[t, j]
+                hidden = F.silu(token @ w.gate_proj[e].t()) * (token @ w.up_proj[e].t())
+                want[t] += weights[t, j] * (hidden @ w.down_proj[e].t())
+    torch.testing.assert_close(got.reshape(-1, 16), want, rtol=1e-5, atol=1e-6)
+
+
 def test_bias_balancing_moves_towards_uniform_load():
     cfg = ModelConfig(family="mixtral", num_experts=4, num_experts_per_tok=1, hidden_size=8, router_bias_update_rate=0.1)
     moe = MoE(cfg)
@@ -170,6 +218,11 @@ MOE_LAYOUTS = {  # name: (ranks, options, extra model options, layout line)
     "ep2": (2, ["--parallel.ep", "2"], (), "DP2 CP1 EP2"),
     "ep4": (4, ["--parallel.ep", "4"], (), "DP4 CP1 EP4"),
     "ep2-edp2": (4, ["--parallel.ep", "2"], (), "DP4 CP1 EP2"),  # FSDP splits each ep shard over edp
+    # token dropping: capacity per sequence, so every rank drops what the single-rank run drops;
+    # 0.5: each expert keeps half its mean load, so at least half the copies drop
+    "ep2-edp2-capacity": (4, ["--parallel.ep", "2"], ("--model.capacity-factor", "0.5"), "DP4 CP1 EP2"),
+    "pp2-ep2-capacity": (4, ["--parallel.pp", "2", "--parallel.ep", "2"],
+                         ("--model.num-hidden-layers", "4", "--model.capacity-factor", "0.5"), "PP2 DP2 CP1 EP2"),
     "ep2-edp2-uneven": (4, ["--parallel.ep", "2"], ("--model.num-experts", "2", "--model.num-experts-per-tok", "1"),
                         "DP4 CP1 EP2"),  # 1 expert per ep rank over edp2: FSDP pads, one edp rank holds none
     "pp2-ep2": (4, ["--parallel.pp", "2", "--parallel.ep", "2"], ("--model.num-hidden-layers", "4"), "PP2 DP2 CP1 EP2"),
