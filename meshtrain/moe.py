@@ -86,8 +86,8 @@ def capacity_mask(indices: torch.Tensor, num_experts: int, capacity: int) -> tor
     any second choice (GShard's priority: a token loses its k-th choice before another its first)."""
     b, s, k = indices.shape
     by_priority = indices.transpose(1, 2).reshape(b, k * s)
-    one_hot = F.one_hot(by_priority, num_experts)
-    position = (one_hot.cumsum(dim=1) * one_hot).sum(dim=-1) - 1  # among the copies its expert got
+    seen = F.one_hot(by_priority, num_experts).cumsum(dim=1)  # copies each expert got so far
+    position = seen.gather(-1, by_priority.unsqueeze(-1)).squeeze(-1) - 1
     return (position < capacity).view(b, k, s).transpose(1, 2)
 
 

@@ -343,13 +343,13 @@ def local_elements(t: ParamTensor, sizes: Sizes, *, tp_rank: int = 0, fsdp_rank:
         shape[0] //= sizes.ep
         if sizes.etp > 1:
             shape[t.tp_dim] //= sizes.etp
-        shards, fsdp_rank = sizes.edp, edp_rank  # FSDP splits each ep shard over all of edp (HSDP too)
+        shards, shard_rank = sizes.edp, edp_rank  # FSDP splits each ep shard over all of edp (HSDP too)
     else:  # dense tensors, and experts without ep/etp (FSDP shards them with the dense ones)
         if t.tp_dim is not None and sizes.tp > 1 and not t.expert:
             shape[t.tp_dim] = _chunk(shape[t.tp_dim], sizes.tp, tp_rank)
-        shards = sizes.dp_shard * sizes.cp
+        shards, shard_rank = sizes.dp_shard * sizes.cp, fsdp_rank
     if fsdp and shards > 1:
-        shape[0] = _chunk(shape[0], shards, fsdp_rank)
+        shape[0] = _chunk(shape[0], shards, shard_rank)
     return math.prod(shape)
 
 

@@ -133,7 +133,7 @@ class Trainer:
             moe.aux_loss_scale = 1.0 if self.pipeline is not None else 1.0 / self.stream.accum
             if mesh.size("cp_tp") > 1:  # the balancing loss counts whole sequences
                 moe.sequence_group, moe.aux_grad_scale = mesh["cp_tp"].get_group(), mesh.size("cp")
-        experts = {id(p) for part in self.parts for p in expert_parameters(part)} if mesh.experts is not None else {}
+        experts = {id(p) for part in self.parts for p in expert_parameters(part)} if mesh.experts is not None else set()
         self.tp_summed_params = [p for moe in self.moe_layers for p in moe.parameters()
                                  if id(p) not in experts] if mesh.size("tp") > 1 else []
         self.peak_tflops = peak_tflops(cfg.logging, runtime.device)

@@ -177,7 +177,8 @@ def test_dropped_copies_contribute_nothing_and_a_large_capacity_drops_none():
     full = moe(x)
     moe.capacity_factor = 2.0  # capacity = 12 copies per expert and sequence: nothing can drop
     torch.testing.assert_close(moe(x), full, rtol=0, atol=0)
-    moe.capacity_factor, moe.tokens_per_expert, moe.dropped_per_expert = 0.5, torch.zeros(4), torch.zeros(4)
+    moe.capacity_factor = 0.5
+    moe.reset_statistics()
     got = moe(x)
     assert moe.dropped_per_expert.sum() > 0 and moe.tokens_per_expert.sum() == 2 * 12 * 2
     # the reference: each token's kept copies, one at a time
