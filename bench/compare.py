@@ -14,7 +14,7 @@ same cores: ``OMP_NUM_THREADS`` = cores / ranks. MFU needs a peak (looked up on 
 ``--peak-tflops``).
 
 Communication: for dp2, tp2, tp2+SP, pp2, cp2 (dense) and ep2 (a Qwen3-MoE of the same width), one
-steady-state step is counted op by op (``meshtrain.comm_counter``: calls and bytes each rank sends)
+steady-state step is counted op by op (``meshtrain.telemetry.comm_counter``: calls and bytes each rank sends)
 and set beside the analytic minimum of that parallelism, formula shown.
 """
 
@@ -70,12 +70,14 @@ def job_config(args: argparse.Namespace, parallel: dict, moe: bool):
 def meshtrain_worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
-    from meshtrain.allocation import measure_training_state, mesh_coordinates
-    from meshtrain.comm_counter import CollectiveCounter
-    from meshtrain.distributed import exit_process, init_distributed, shutdown
-    from meshtrain.mesh import build_mesh, plan_layout
-    from meshtrain.planner import trainer_rank_state
-    from meshtrain.train import Trainer, resolve
+    from meshtrain.telemetry.allocation import measure_training_state, mesh_coordinates
+    from meshtrain.telemetry.comm_counter import CollectiveCounter
+    from meshtrain.parallel.runtime import exit_process, init_distributed, shutdown
+    from meshtrain.parallel.layout import plan_layout
+    from meshtrain.parallel.mesh import build_mesh
+    from meshtrain.planning.memory import trainer_rank_state
+    from meshtrain.commands.train import resolve
+    from meshtrain.trainer import Trainer
 
     ranks, parallel, moe = LAYOUTS[args.layout]
     cfg = resolve(job_config(args, parallel, moe))
@@ -113,9 +115,9 @@ def transformers_worker(args: argparse.Namespace) -> None:
     import torch
     import transformers
 
-    from meshtrain.distributed import device_type_from_env
-    from meshtrain.hf_adapter import hf_config_from_model
-    from meshtrain.train import resolve
+    from meshtrain.parallel.runtime import device_type_from_env
+    from meshtrain.hf.adapter import hf_config_from_model
+    from meshtrain.commands.train import resolve
 
     cfg = resolve(job_config(args, {}, False))
     device = torch.device(device_type_from_env())
@@ -162,8 +164,8 @@ FSDP_OPS = ("_allgather_base", "_reduce_scatter_base")
 def analytic_minimum(name: str, args: argparse.Namespace) -> list[tuple[str, tuple[str, ...], float, str]]:
     """The parts of this layout's communication: (part, its ops, the bytes rank 0 must send per
     step at least, the formula)."""
-    from meshtrain.model import count_parameters
-    from meshtrain.train import resolve
+    from meshtrain.models.transformer import count_parameters
+    from meshtrain.commands.train import resolve
 
     ranks, parallel, moe = LAYOUTS[name]
     cfg = resolve(job_config(args, parallel, moe))

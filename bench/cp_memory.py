@@ -42,10 +42,12 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from meshtrain.context_parallel import sequence_sharded
-    from meshtrain.distributed import exit_process, init_distributed, shutdown
-    from meshtrain.mesh import build_mesh, plan_layout
-    from meshtrain.train import build_model, cross_entropy
+    from meshtrain.parallel.context import sequence_sharded
+    from meshtrain.parallel.runtime import exit_process, init_distributed, shutdown
+    from meshtrain.parallel.layout import plan_layout
+    from meshtrain.parallel.mesh import build_mesh
+    from meshtrain.parallel.parallelize import build_model
+    from meshtrain.trainer import cross_entropy
 
     cfg = job_config(args, args.cp)
     runtime = init_distributed(cfg.parallel.timeout_s)
@@ -91,7 +93,8 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def planner_estimate(args: argparse.Namespace, cp: int) -> float:
-    from meshtrain.planner import Sizes, layer_activation_elements, shape_from_model_config
+    from meshtrain.planning.memory import Sizes, layer_activation_elements
+    from meshtrain.planning.shapes import shape_from_model_config
 
     model = job_config(args, cp).model
     shape = shape_from_model_config(model, "bench")

@@ -6,7 +6,7 @@ and the extra memory an export takes.
 
 One invocation: write a random bf16 checkpoint with ``safetensors.torch.save_file`` (the plain
 write), read it back with ``load_file`` (the plain read), then on N ranks import it into an
-FSDP-sharded model (``hf_io.load_hf_weights``) and export it (``hf_io.save_hf``). Both sides run
+FSDP-sharded model (``hf.io.load_hf_weights``) and export it (``hf.io.save_hf``). Both sides run
 on the same files in the same page cache, so the ratios compare like with like. "Extra export
 memory" is the peak resident-set growth of each rank during the export (sampled every 5 ms) over
 that rank's share of the model; it shows that an export does not gather the model on one rank.
@@ -30,8 +30,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from meshtrain.config import ModelConfig  # noqa: E402
-from meshtrain.hf_adapter import hf_config_from_model, hf_shapes  # noqa: E402
-from meshtrain.hf_io import shard_plan  # noqa: E402
+from meshtrain.hf.adapter import hf_config_from_model, hf_shapes  # noqa: E402
+from meshtrain.hf.io import shard_plan  # noqa: E402
 
 
 def model_config(args) -> ModelConfig:
@@ -104,10 +104,10 @@ def read_plain(directory: pathlib.Path) -> float:
 def worker(args) -> None:
     import torch.distributed as dist
 
-    from meshtrain.convert import build_sharded
-    from meshtrain.distributed import exit_process, init_distributed, shutdown
-    from meshtrain.hf_adapter import resolve_init_from_hf
-    from meshtrain.hf_io import export_dtypes, load_hf_weights, save_hf
+    from meshtrain.commands.convert import build_sharded
+    from meshtrain.parallel.runtime import exit_process, init_distributed, shutdown
+    from meshtrain.hf.adapter import resolve_init_from_hf
+    from meshtrain.hf.io import export_dtypes, load_hf_weights, save_hf
 
     out = pathlib.Path(args.out)
     runtime = init_distributed(600)

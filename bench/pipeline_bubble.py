@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 
-from meshtrain.mesh import LOOPED_SCHEDULES, SINGLE_STAGE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES
+from meshtrain.parallel.layout import LOOPED_SCHEDULES, SINGLE_STAGE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCHEDULES = [(name, 1) for name in SINGLE_STAGE_SCHEDULES] + [(name, 2) for name in LOOPED_SCHEDULES + V_SCHEDULES]
@@ -46,9 +46,10 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
     from meshtrain.config import JobConfig, from_dict
-    from meshtrain.distributed import exit_process, init_distributed, shutdown
-    from meshtrain.mesh import build_mesh, plan_layout
-    from meshtrain.train import Trainer
+    from meshtrain.parallel.runtime import exit_process, init_distributed, shutdown
+    from meshtrain.parallel.layout import plan_layout
+    from meshtrain.parallel.mesh import build_mesh
+    from meshtrain.trainer import Trainer
 
     busy = [0.0]
 

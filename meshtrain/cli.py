@@ -29,7 +29,7 @@ def parse(cls: type, argv: list[str], prog: str):
 
 
 def train_main(argv: list[str]) -> None:
-    from meshtrain import train
+    from meshtrain.commands import train
 
     cfg = parse(JobConfig, argv, "meshtrain train")
     if cfg.train.dry_run:
@@ -39,13 +39,14 @@ def train_main(argv: list[str]) -> None:
 
 
 def convert_main(argv: list[str]) -> None:
-    from meshtrain.convert import ConvertConfig, convert
+    from meshtrain.commands.convert import ConvertConfig, convert
 
     convert(parse(ConvertConfig, argv, "meshtrain convert"))
 
 
 def plan_main(argv: list[str]) -> None:
-    from meshtrain.planner import PlanConfig, plan_main as run_plan
+    from meshtrain.planning.options import PlanConfig
+    from meshtrain.planning.report import plan_main as run_plan
 
     run_plan(parse(PlanConfig, argv, "meshtrain plan"))
 
@@ -92,6 +93,6 @@ def entry() -> NoReturn:
         if e.code is not None and not isinstance(e.code, int):
             raise  # a message for Python to print
         code = e.code or 0
-    from meshtrain.distributed import exit_process  # torch is loaded by then whenever it matters
+    from meshtrain.parallel.runtime import exit_process  # torch is loaded by then whenever it matters
 
     exit_process(code)

@@ -19,7 +19,7 @@ import yaml
 
 from meshtrain.errors import ConfigError
 
-BUNDLED_CORPUS = str(pathlib.Path(__file__).parent / "corpus" / "python_stdlib_docstrings.txt")
+BUNDLED_CORPUS = str(pathlib.Path(__file__).parent / "data" / "corpus" / "python_stdlib_docstrings.txt")
 
 
 @dataclass
@@ -118,7 +118,7 @@ PipelineSchedule = Literal["auto", "GPipe", "1F1B", "Interleaved1F1B", "LoopedBF
 
 @dataclass
 class ParallelConfig:
-    """Sizes of the 5-D device mesh (pp, dp, cp, tp, ep). Their product rules are in mesh.py."""
+    """Sizes of the 5-D device mesh (pp, dp, cp, tp, ep). Their product rules are in parallel/layout.py."""
 
     pp: int = 1
     """Pipeline stages (alias: pipeline_model_parallel_size)."""

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from meshtrain.config import LRScheduleConfig, OptimizerConfig
-from meshtrain.mesh import ParallelMesh
+from meshtrain.parallel.mesh import ParallelMesh
 
 
 def build_optimizer(parts: list[nn.Module], cfg: OptimizerConfig) -> torch.optim.AdamW:

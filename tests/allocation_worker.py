@@ -12,10 +12,11 @@ import json
 import pathlib
 import sys
 
-from meshtrain.allocation import measure_training_state, mesh_coordinates
-from meshtrain.distributed import exit_process, init_distributed, shutdown
-from meshtrain.mesh import build_mesh, plan_layout
-from meshtrain.train import Trainer
+from meshtrain.telemetry.allocation import measure_training_state, mesh_coordinates
+from meshtrain.parallel.runtime import exit_process, init_distributed, shutdown
+from meshtrain.parallel.layout import plan_layout
+from meshtrain.parallel.mesh import build_mesh
+from meshtrain.trainer import Trainer
 from tests.conftest import tiny_config
 
 

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.experimental._attention import context_parallel_unshard, set_rotate_method
 
-from meshtrain._torch_cp import cpu_context_parallel
-from meshtrain.distributed import exit_process, shutdown
+from meshtrain.parallel._torch_cp import cpu_context_parallel
+from meshtrain.parallel.runtime import exit_process, shutdown
 
 
 def main() -> None:

@@ -19,9 +19,11 @@ from torch.distributed.tensor import DTensor
 
 from meshtrain.cli import parse
 from meshtrain.config import JobConfig
-from meshtrain.distributed import exit_process, init_distributed, shutdown, world_size_from_env
-from meshtrain.mesh import build_mesh, plan_layout
-from meshtrain.train import Trainer, resolve
+from meshtrain.parallel.runtime import exit_process, init_distributed, shutdown, world_size_from_env
+from meshtrain.parallel.layout import plan_layout
+from meshtrain.parallel.mesh import build_mesh
+from meshtrain.commands.train import resolve
+from meshtrain.trainer import Trainer
 
 TOKENS = torch.randint(0, 384, (2, 48), generator=torch.Generator().manual_seed(0))
 

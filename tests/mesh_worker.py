@@ -4,8 +4,9 @@ import dataclasses
 
 import torch.distributed as dist
 
-from meshtrain.distributed import exit_process, init_distributed, shutdown
-from meshtrain.mesh import build_expert_mesh, build_mesh, plan_layout
+from meshtrain.parallel.runtime import exit_process, init_distributed, shutdown
+from meshtrain.parallel.layout import plan_layout
+from meshtrain.parallel.mesh import build_expert_mesh, build_mesh
 from tests.conftest import tiny_config
 
 

@@ -13,10 +13,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from meshtrain.cli import parse
 from meshtrain.config import JobConfig
-from meshtrain.distributed import exit_process, init_distributed, shutdown, world_size_from_env
-from meshtrain.mesh import build_mesh, plan_layout
-from meshtrain.train import Trainer
-from meshtrain.comm_counter import CollectiveCounter
+from meshtrain.parallel.runtime import exit_process, init_distributed, shutdown, world_size_from_env
+from meshtrain.parallel.layout import plan_layout
+from meshtrain.parallel.mesh import build_mesh
+from meshtrain.trainer import Trainer
+from meshtrain.telemetry.comm_counter import CollectiveCounter
 
 
 def main() -> None:

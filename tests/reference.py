@@ -8,10 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from meshtrain.config import JobConfig
-from meshtrain.data import BatchStream, PackedDataset, build_tokenizer, tokenize_corpus
-from meshtrain.initialize import init_weights
-from meshtrain.model import Transformer
-from meshtrain.moe import MoE
+from meshtrain.data.loader import BatchStream, PackedDataset
+from meshtrain.data.text import tokenize_corpus
+from meshtrain.data.tokenizer import build_tokenizer
+from meshtrain.models.initialize import init_weights
+from meshtrain.models.transformer import Transformer
+from meshtrain.models.moe import MoE
 from meshtrain.optim import build_lr_scheduler, build_optimizer
 
 

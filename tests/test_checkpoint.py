@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
-import meshtrain.checkpoint
-from meshtrain.checkpoint import complete_checkpoints
+import meshtrain.checkpoint.checkpointer
+from meshtrain.checkpoint.checkpointer import complete_checkpoints
 from meshtrain.errors import CheckpointError
-from meshtrain.train import run
+from meshtrain.commands.train import run
 from tests.conftest import tiny_config
 
 
@@ -40,7 +40,7 @@ def test_auto_resume_takes_the_newest_and_keep_last_prunes(tmp_path):
 
 
 def test_a_crash_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
-    real_save = meshtrain.checkpoint.dcp.save
+    real_save = meshtrain.checkpoint.checkpointer.dcp.save
 
     def save_then_die(state, checkpoint_id):
         if checkpoint_id.endswith("step-000004.incomplete"):
@@ -48,7 +48,7 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, monk
             raise KeyboardInterrupt("killed mid-save")
         return real_save(state, checkpoint_id=checkpoint_id)
 
-    monkeypatch.setattr(meshtrain.checkpoint.dcp, "save", save_then_die)
+    monkeypatch.setattr(meshtrain.checkpoint.checkpointer.dcp, "save", save_then_die)
     with pytest.raises(KeyboardInterrupt):
         run(job(tmp_path, interval=2))
     ckpts = tmp_path / "checkpoints"

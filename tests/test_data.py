@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from meshtrain.config import DataConfig
-from meshtrain.data import BatchStream, ByteTokenizer, HFTokenizer, PackedDataset, build_tokenizer, tokenize_corpus
+from meshtrain.data.loader import BatchStream, PackedDataset
+from meshtrain.data.text import tokenize_corpus
+from meshtrain.data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
 from meshtrain.errors import DataError
 
 

@@ -9,10 +9,10 @@ import torch
 
 from meshtrain.config import ModelConfig
 from meshtrain.errors import CheckpointError
-from meshtrain.hf_adapter import (from_hf, hf_config_from_model, hf_shapes, model_config_from_hf,
+from meshtrain.hf.adapter import (from_hf, hf_config_from_model, hf_shapes, model_config_from_hf,
                                   resolve_init_from_hf, to_hf)
-from meshtrain.hf_io import export_dtypes, inspect_hf_dir, load_hf_weights, save_hf, shard_plan
-from meshtrain.model import Transformer
+from meshtrain.hf.io import export_dtypes, inspect_hf_dir, load_hf_weights, save_hf, shard_plan
+from meshtrain.models.transformer import Transformer
 from tests.hf_models import assert_same_tensors, hf_model, read_tensors, write_hf_dir
 
 CASES = {"llama": ("llama", {}), "qwen3": ("qwen3", {}), "llama-tied": ("llama", {"tie_word_embeddings": True}),
@@ -207,12 +207,12 @@ def test_export_never_overwrites_and_a_failed_one_leaves_no_complete_looking_dir
     with pytest.raises(CheckpointError, match="already exists and is not empty"):
         save_hf([model], str(src), dtypes, max_shard_bytes=10**9)
 
-    import meshtrain.hf_io
+    import meshtrain.hf.io
 
     def crash(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(meshtrain.hf_io.dcp, "save", crash)
+    monkeypatch.setattr(meshtrain.hf.io.dcp, "save", crash)
     with pytest.raises(OSError):
         save_hf([model], str(tmp_path / "out"), dtypes, max_shard_bytes=10**9)
     assert not (tmp_path / "out").exists() and (tmp_path / "out.incomplete").is_dir()

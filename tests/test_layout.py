@@ -5,7 +5,7 @@ import warnings
 import pytest
 
 from meshtrain.errors import ConfigError
-from meshtrain.mesh import layout_warnings, plan_layout
+from meshtrain.parallel.layout import layout_warnings, plan_layout
 from tests.conftest import tiny_config
 
 

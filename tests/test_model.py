@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from meshtrain.config import ModelConfig, RopeScalingConfig
-from meshtrain.initialize import init_weights
-from meshtrain.model import Transformer
+from meshtrain.models.initialize import init_weights
+from meshtrain.models.transformer import Transformer
 
 
 def tiny(**kw) -> ModelConfig:

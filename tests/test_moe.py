@@ -11,10 +11,10 @@ import torch.nn.functional as F
 import transformers
 
 from meshtrain.config import ModelConfig
-from meshtrain.hf_adapter import from_hf, hf_config_from_model, hf_shapes, model_config_from_hf, to_hf
-from meshtrain.initialize import init_weights
-from meshtrain.model import Transformer
-from meshtrain.moe import MoE, grouped_expert_ffn, grouped_mm_supported, looped_expert_ffn, use_grouped_mm
+from meshtrain.hf.adapter import from_hf, hf_config_from_model, hf_shapes, model_config_from_hf, to_hf
+from meshtrain.models.initialize import init_weights
+from meshtrain.models.transformer import Transformer
+from meshtrain.models.moe import MoE, grouped_expert_ffn, grouped_mm_supported, looped_expert_ffn, use_grouped_mm
 from tests.hf_models import read_tensors
 from tests.test_parallel import assert_matches_reference, reference, run_layout
 
@@ -150,7 +150,7 @@ def test_grouped_gemm_experts_equal_the_loop(dtype):
 
 
 def test_capacity_keeps_first_choices_before_second_choices():
-    from meshtrain.moe import capacity_mask
+    from meshtrain.models.moe import capacity_mask
 
     # one sequence of 4 tokens, top-2 of 3 experts; expert 0 is every token's first choice
     indices = torch.tensor([[[0, 1], [0, 2], [0, 1], [0, 1]]])
@@ -183,7 +183,7 @@ def test_dropped_copies_contribute_nothing_and_a_large_capacity_drops_none():
     assert moe.dropped_per_expert.sum() > 0 and moe.tokens_per_expert.sum() == 2 * 12 * 2
     # the reference: each token's kept copies, one at a time
     _, weights, indices = moe.gate(x.reshape(-1, 16))
-    from meshtrain.moe import capacity_mask
+    from meshtrain.models.moe import capacity_mask
 
     keep = capacity_mask(indices.view(2, 12, 2), 4, capacity=3).reshape(-1, 2)
     w = moe.experts
@@ -357,7 +357,7 @@ def test_bad_moe_hf_directories_name_the_file_and_key(tmp_path, how):
     from safetensors.torch import load_file, save_file
 
     from meshtrain.errors import CheckpointError
-    from meshtrain.hf_io import inspect_hf_dir
+    from meshtrain.hf.io import inspect_hf_dir
 
     _, directory = hf_dir(tmp_path, "qwen3_moe")
     (file,) = directory.glob("*.safetensors")

@@ -42,8 +42,9 @@ def test_scheduler_drives_the_optimizer_lr():
 
 @pytest.fixture
 def world_of_one():
-    from meshtrain.distributed import init_distributed, shutdown
-    from meshtrain.mesh import build_mesh, plan_layout
+    from meshtrain.parallel.runtime import init_distributed, shutdown
+    from meshtrain.parallel.layout import plan_layout
+    from meshtrain.parallel.mesh import build_mesh
     from tests.conftest import tiny_config
 
     runtime = init_distributed(60)

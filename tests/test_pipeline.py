@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
-from meshtrain.model import Transformer
-from meshtrain.pipeline import layer_range, split_for_stage, stage_ids_for_rank
+from meshtrain.models.transformer import Transformer
+from meshtrain.parallel.pipeline import layer_range, split_for_stage, stage_ids_for_rank
 from tests.conftest import tiny_config
 
 

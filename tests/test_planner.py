@@ -12,13 +12,15 @@ import torch
 from meshtrain.cli import main
 from meshtrain.config import ModelConfig
 from meshtrain.errors import ConfigError
-from meshtrain.initialize import init_weights
-from meshtrain.mesh import plan_layout
-from meshtrain.model import Transformer, count_parameters
-from meshtrain.planner import (GB, PlanConfig, Sizes, active_parameters, estimate, layer_activation_elements,
-                               parameter_tensors, rank_parameters, recommend, resolve,
-                               shape_from_count, shape_from_hf_config, shape_from_model_config,
-                               total_parameters, trainer_rank_state, unsharded)
+from meshtrain.models.initialize import init_weights
+from meshtrain.parallel.layout import plan_layout
+from meshtrain.models.transformer import Transformer, count_parameters
+from meshtrain.planning.memory import Sizes, estimate, layer_activation_elements, rank_parameters, trainer_rank_state
+from meshtrain.planning.options import GB, PlanConfig
+from meshtrain.planning.recommend import recommend
+from meshtrain.planning.report import unsharded
+from meshtrain.planning.shapes import (active_parameters, parameter_tensors, resolve, shape_from_count,
+                                      shape_from_hf_config, shape_from_model_config, total_parameters)
 from tests.conftest import ROOT, tiny_config, torchrun
 
 

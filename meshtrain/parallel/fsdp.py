@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from meshtrain.mesh import ParallelMesh
-from meshtrain.model import Transformer
-from meshtrain.moe import MoE
+from meshtrain.parallel.mesh import ParallelMesh
+from meshtrain.models.transformer import Transformer
+from meshtrain.models.moe import MoE
 
 MIXED_PRECISION = {
     "fp32": MixedPrecisionPolicy(),

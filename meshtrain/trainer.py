@@ -1,79 +1,44 @@
-"""The training job: mesh, sharded model, data, and the optimizer-step loop.
+"""The Trainer: one rank's share of the job, from a mesh to the optimizer-step loop.
 
-Order matters and is the design: plan and validate the layout (no process group yet), build the
-mesh, build the model on the meta device, apply TP then FSDP from the mesh, materialise and
-initialise the local shards, then train. Every parallel size below is read from the mesh.
+Order matters and is the design: the data stream for this dp rank, then the model parts (the whole
+model, or this rank's pipeline stages) built sharded by ``parallel.parallelize.build_model``, then
+their optimizers and schedules, then the weights (a Hugging Face import or a checkpoint restore),
+then the MoE bookkeeping. Every parallel size below is read from the mesh.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
-import os
 import pathlib
-import sys
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+from torch.distributed.tensor.parallel import loss_parallel
 
-from meshtrain.checkpoint import Checkpointer, check_architecture, read_meta
-from meshtrain.config import JobConfig, dump_yaml
-from meshtrain.context_parallel import sequence_sharded
-from meshtrain.data import BatchStream, PackedDataset, build_tokenizer, tokenize_corpus
-from meshtrain.data_parallel import apply_fsdp
-from meshtrain.distributed import (Runtime, collective_error, init_distributed, is_collective_failure, shutdown,
-                                   world_size_from_env)
+from meshtrain.checkpoint.checkpointer import Checkpointer
+from meshtrain.config import JobConfig
+from meshtrain.data.loader import BatchStream, PackedDataset
+from meshtrain.data.text import tokenize_corpus
+from meshtrain.data.tokenizer import build_tokenizer
 from meshtrain.errors import ConfigError, TrainingError
-from meshtrain.expert_parallel import ExpertParallel, expert_parameters
-from meshtrain.hf_adapter import read_hf_config, resolve_init_from_hf
-from meshtrain.hf_io import check_export_target, export_dtypes, load_hf_weights, save_hf, tokenizer_files
-from meshtrain.initialize import init_weights
-from meshtrain.mesh import (Layout, ParallelMesh, build_mesh, plan_layout, reshard_after_forward, resolve_schedule,
-                            stage_layer_counts)
-from meshtrain.metrics import MetricsLogger, flops_per_token, memory_gib, peak_tflops
-from meshtrain.model import Transformer, count_active_parameters, count_parameters
-from meshtrain.moe import MoE
-from meshtrain.pipeline import Pipeline, split_for_stage, stage_ids_for_rank
+from meshtrain.hf.adapter import read_hf_config
+from meshtrain.hf.io import export_dtypes, load_hf_weights, save_hf, tokenizer_files
+from meshtrain.models.moe import MoE
+from meshtrain.models.transformer import count_active_parameters, count_parameters
 from meshtrain.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
-from meshtrain.tensor_parallel import apply_tensor_parallel, grads_to_param_placements, sum_moe_grads_over_tp
-
-
-def build_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device, stage: int | None = None, *,
-                initialize: bool = True) -> Transformer:
-    """The whole model, or pipeline stage ``stage`` of it: built on meta, sharded, then initialised
-    (``initialize=False`` leaves the memory uninitialised, for weights about to be loaded)."""
-    with torch.device("meta"):
-        model = Transformer(cfg.model)
-    if stage is not None:
-        split_for_stage(model, stage, stage_layer_counts_for(cfg))
-    model.activation_checkpointing = cfg.train.activation_checkpointing
-    if mesh.size("tp") > 1:
-        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=cfg.parallel.sp,
-                              loss_parallel=cfg.parallel.loss_parallel)
-    if mesh.experts is not None:
-        for module in model.modules():
-            if isinstance(module, MoE):
-                parallelize_module(module.experts, mesh.expert_grid, ExpertParallel())
-    apply_fsdp(model, mesh, mixed_precision=cfg.train.mixed_precision,
-               reshard_after_forward=reshard_after_forward(cfg.parallel.fsdp_reshard_after_forward, mesh.size("pp")))
-    if mesh.size("dp_cp") == 1 and cfg.train.mixed_precision == "bf16":
-        model.forward = torch.autocast(device.type, dtype=torch.bfloat16)(model.forward)  # FSDP's policy casts otherwise
-    model.to_empty(device=device)
-    model.tie_weights()
-    if initialize:
-        init_weights(model, cfg.train.seed)
-    return model
-
-
-def stage_layer_counts_for(cfg: JobConfig) -> tuple[int, ...]:
-    p = cfg.parallel
-    return tuple(stage_layer_counts(cfg.model.num_hidden_layers, p.pp, p.vpp, p.pp_layers_per_stage))
+from meshtrain.parallel.context import sequence_sharded
+from meshtrain.parallel.expert import expert_parameters
+from meshtrain.parallel.layout import resolve_schedule
+from meshtrain.parallel.mesh import ParallelMesh
+from meshtrain.parallel.parallelize import build_model
+from meshtrain.parallel.pipeline import Pipeline, stage_ids_for_rank
+from meshtrain.parallel.runtime import Runtime
+from meshtrain.parallel.tensor import grads_to_param_placements, sum_moe_grads_over_tp
+from meshtrain.telemetry.metrics import MetricsLogger, flops_per_token, memory_gib, peak_tflops
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -83,61 +48,76 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 class Trainer:
     def __init__(self, cfg: JobConfig, runtime: Runtime, mesh: ParallelMesh):
         self.cfg, self.runtime, self.mesh = cfg, runtime, mesh
-        t = cfg.train
-        self.run_dir = pathlib.Path(t.run_dir)
+        self.run_dir = pathlib.Path(cfg.train.run_dir)
+        self.step = 0
+        self.stream = self._build_data()
+        torch.manual_seed(cfg.train.seed)
+        self.parts, self.pipeline = self._build_model_parts()
+        self.params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
+        # One optimizer per part: torch's optimizer state dicts are per (module, optimizer) pair.
+        self.optimizers = [build_optimizer([part], cfg.optimizer) for part in self.parts]
+        self.schedulers = [build_lr_scheduler(opt, cfg.train.steps, cfg.lr_schedule) for opt in self.optimizers]
+        if cfg.model.init_from_hf is not None:
+            load_hf_weights(self.parts, cfg.model.init_from_hf)
+        self.checkpointer, self.resumed_from = self._restore_checkpoint()
+        self.moe_layers, self.tp_summed_params = self._setup_moe()
+        self.loss_parallel = mesh.size("tp") > 1 and cfg.parallel.loss_parallel
+        self.num_params = count_parameters(cfg.model)
+        self.active_params = count_active_parameters(cfg.model) if cfg.model.is_moe else self.num_params
+        self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len, self.active_params)
+        self.peak_tflops = peak_tflops(cfg.logging, runtime.device)
 
+    def _build_data(self) -> BatchStream:
+        """This dp rank's share of every optimizer step's batches."""
+        cfg, t = self.cfg, self.cfg.train
         tokenizer = build_tokenizer(cfg.data)
         if tokenizer.vocab_size > cfg.model.vocab_size:
             raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                               f"vocabulary ({tokenizer.vocab_size}). Fix: model.vocab_size >= {tokenizer.vocab_size}")
         dataset = PackedDataset(tokenize_corpus(cfg.data, tokenizer), t.seq_len)
-        dp = mesh["dp"]
-        self.stream = BatchStream(dataset, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
-                                  dp_size=dp.size(), dp_rank=dp.get_local_rank(), shuffle=cfg.data.shuffle,
-                                  seed=t.seed, num_workers=cfg.data.num_workers)
+        dp = self.mesh["dp"]
+        return BatchStream(dataset, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
+                           dp_size=dp.size(), dp_rank=dp.get_local_rank(), shuffle=cfg.data.shuffle,
+                           seed=t.seed, num_workers=cfg.data.num_workers)
 
-        torch.manual_seed(t.seed)
-        from_scratch = cfg.model.init_from_hf is None  # else the weights are loaded below
-        self.pipeline: Pipeline | None = None
-        if mesh.size("pp") > 1:
-            schedule = resolve_schedule(cfg.parallel.pp_schedule, cfg.parallel.vpp)
-            stage_ids = stage_ids_for_rank(mesh["pp"].get_local_rank(), mesh.size("pp"), cfg.parallel.vpp, schedule)
-            self.parts = [build_model(cfg, mesh, runtime.device, stage=s, initialize=from_scratch) for s in stage_ids]
-            self.pipeline = Pipeline(self.parts, stage_ids, mesh.size("pp") * cfg.parallel.vpp, mesh["pp"],
-                                     runtime.device, schedule, self.stream.accum, cross_entropy)
-        else:
-            self.parts = [build_model(cfg, mesh, runtime.device, initialize=from_scratch)]
-        self.params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
-        # One optimizer per part: torch's optimizer state dicts are per (module, optimizer) pair.
-        self.optimizers = [build_optimizer([part], cfg.optimizer) for part in self.parts]
-        self.schedulers = [build_lr_scheduler(opt, t.steps, cfg.lr_schedule) for opt in self.optimizers]
-        self.step = 0
-        if cfg.model.init_from_hf is not None:
-            load_hf_weights(self.parts, cfg.model.init_from_hf)
+    def _build_model_parts(self) -> tuple[list[torch.nn.Module], Pipeline | None]:
+        """The whole model, or this pp rank's stages and the schedule that drives them."""
+        cfg, mesh, device = self.cfg, self.mesh, self.runtime.device
+        from_scratch = cfg.model.init_from_hf is None  # else the weights are loaded after this
+        if mesh.size("pp") == 1:
+            return [build_model(cfg, mesh, device, initialize=from_scratch)], None
+        schedule = resolve_schedule(cfg.parallel.pp_schedule, cfg.parallel.vpp)
+        stage_ids = stage_ids_for_rank(mesh["pp"].get_local_rank(), mesh.size("pp"), cfg.parallel.vpp, schedule)
+        parts = [build_model(cfg, mesh, device, stage=s, initialize=from_scratch) for s in stage_ids]
+        pipeline = Pipeline(parts, stage_ids, mesh.size("pp") * cfg.parallel.vpp, mesh["pp"], device, schedule,
+                            self.stream.accum, cross_entropy)
+        return parts, pipeline
 
-        ckpt = cfg.checkpoint
-        self.checkpointer = Checkpointer(ckpt, pathlib.Path(ckpt.dir or self.run_dir / "checkpoints"), self,
-                                         layout=mesh.describe(cfg.parallel))
-        self.resumed_from = self.checkpointer.resume_path()
-        if self.resumed_from is not None:
-            self.step = self.checkpointer.restore(self.resumed_from)
+    def _restore_checkpoint(self) -> tuple[Checkpointer, pathlib.Path | None]:
+        """The checkpointer, and the checkpoint this run resumed from (its step restored), if any."""
+        ckpt = self.cfg.checkpoint
+        checkpointer = Checkpointer(ckpt, pathlib.Path(ckpt.dir or self.run_dir / "checkpoints"), self,
+                                    layout=self.mesh.describe(self.cfg.parallel))
+        resumed_from = checkpointer.resume_path()
+        if resumed_from is not None:
+            self.step = checkpointer.restore(resumed_from)
+        return checkpointer, resumed_from
 
-        self.loss_parallel = mesh.size("tp") > 1 and cfg.parallel.loss_parallel
-        num_params = count_parameters(cfg.model)
-        self.active_params = count_active_parameters(cfg.model) if cfg.model.is_moe else num_params
-        self.flops_per_token = flops_per_token(cfg.model, t.seq_len, self.active_params)
-        self.moe_layers = [m for part in self.parts for m in part.modules() if isinstance(m, MoE)]
-        for moe in self.moe_layers:
+    def _setup_moe(self) -> tuple[list[MoE], list[torch.nn.Parameter]]:
+        """The MoE layers with their loss scaling and sequence group set, and the parameters whose
+        gradients are summed over tp (router, shared expert and experts not sharded by ep)."""
+        mesh = self.mesh
+        moe_layers = [m for part in self.parts for m in part.modules() if isinstance(m, MoE)]
+        for moe in moe_layers:
             # Without a pipeline the loss is averaged over micro-batches here; the schedule scales
             # every gradient by 1 / micro-batches itself.
             moe.aux_loss_scale = 1.0 if self.pipeline is not None else 1.0 / self.stream.accum
             if mesh.size("cp_tp") > 1:  # the balancing loss counts whole sequences
                 moe.sequence_group, moe.aux_grad_scale = mesh["cp_tp"].get_group(), mesh.size("cp")
+        if mesh.size("tp") == 1:
+            return moe_layers, []
         experts = {id(p) for part in self.parts for p in expert_parameters(part)} if mesh.experts is not None else set()
-        self.tp_summed_params = [p for moe in self.moe_layers for p in moe.parameters()
-                                 if id(p) not in experts] if mesh.size("tp") > 1 else []
-        self.peak_tflops = peak_tflops(cfg.logging, runtime.device)
-        self.num_params = num_params
+        return moe_layers, [p for moe in moe_layers for p in moe.parameters() if id(p) not in experts]
 
     def train_step(self) -> dict[str, float]:
         t, device = self.cfg.train, self.runtime.device
@@ -260,64 +240,3 @@ class Trainer:
         return save_hf(self.parts, directory, export_dtypes(cfg.model, cfg.checkpoint.hf_dtype),
                        max_shard_bytes=int(cfg.checkpoint.hf_max_shard_gb * 1e9),
                        base_config=read_hf_config(source) if source else None, extra_files=extra)
-
-
-def prepare_run_dir(cfg: JobConfig, runtime: Runtime) -> None:
-    if runtime.is_main:
-        run_dir = pathlib.Path(cfg.train.run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(dump_yaml(cfg))
-
-
-def resolve(cfg: JobConfig) -> JobConfig:
-    """The config as the job will run it: with model.init_from_hf, the architecture of its config.json.
-    Checks what can fail late (the export target) before any work starts."""
-    c = cfg.checkpoint
-    for name, value, ok in [("interval", c.interval, c.interval >= 0), ("keep_last", c.keep_last, c.keep_last >= 0),
-                            ("hf_max_shard_gb", c.hf_max_shard_gb, c.hf_max_shard_gb > 0)]:
-        if not ok:
-            raise ConfigError(f"checkpoint.{name}={value} must be {'> 0' if name == 'hf_max_shard_gb' else '>= 0'}")
-    if cfg.model.init_from_hf is not None:
-        cfg = dataclasses.replace(cfg, model=resolve_init_from_hf(cfg.model))
-    if cfg.checkpoint.export_hf:
-        check_export_target(cfg.checkpoint.export_hf)
-    if c.resume not in ("auto", "never"):
-        check_architecture(read_meta(pathlib.Path(c.resume)), cfg.model, pathlib.Path(c.resume))
-    return cfg
-
-
-def plan(cfg: JobConfig) -> Layout:
-    """``plan_layout`` for this job's world size; rank 0 alone prints the layout warnings."""
-    with warnings.catch_warnings(record=True) as caught:
-        layout = plan_layout(cfg, world_size_from_env())
-    if int(os.environ.get("RANK", "0")) == 0:
-        for w in caught:
-            print(f"meshtrain: warning: {w.message}", file=sys.stderr)
-    return layout
-
-
-def dry_run(cfg: JobConfig) -> Layout:
-    layout = plan(resolve(cfg))
-    print(f"layout: {layout.describe()}")
-    for f in dataclasses.fields(layout):
-        print(f"  {f.name} = {getattr(layout, f.name)}")
-    print(f"  dp = {layout.dp}, edp = {layout.edp}")
-    return layout
-
-
-def run(cfg: JobConfig) -> list[dict[str, float]]:
-    """Train with ``cfg`` in this process (one rank of a torchrun job, or a world of one)."""
-    cfg = resolve(cfg)
-    layout = plan(cfg)
-    runtime = init_distributed(cfg.parallel.timeout_s)
-    try:
-        mesh = build_mesh(layout, runtime.device.type)
-        prepare_run_dir(cfg, runtime)
-        history = Trainer(cfg, runtime, mesh).fit()
-    except BaseException as e:
-        shutdown()
-        if isinstance(e, RuntimeError) and is_collective_failure(e):
-            raise collective_error(e, cfg.parallel.timeout_s) from None
-        raise
-    shutdown(synchronize=True)
-    return history

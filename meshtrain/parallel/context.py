@@ -24,8 +24,8 @@ import torch
 from torch.distributed.tensor.experimental import context_parallel
 from torch.distributed.tensor.experimental._attention import set_rotate_method
 
-from meshtrain._torch_cp import cpu_context_parallel
-from meshtrain.mesh import ParallelMesh
+from meshtrain.parallel._torch_cp import cpu_context_parallel
+from meshtrain.parallel.mesh import ParallelMesh
 
 STOCK_CP_DEVICES = ("cuda",)
 """Devices whose SDPA ops torch's context_parallel dispatches to ring kernels (torch 2.13)."""

@@ -37,8 +37,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from meshtrain.model import Transformer
-from meshtrain.moe import MoE
+from meshtrain.models.transformer import Transformer
+from meshtrain.models.moe import MoE
 
 
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, sequence_parallel: bool,

@@ -5,7 +5,7 @@ Each stage is a ``Transformer`` built on the meta device and pruned to its layer
 the first stage keeps the embedding, the last the final norm and output head, and every kept layer
 its global index, so a stage's parameter names are the whole model's names and checkpoints see
 one global model however it was split. Stages are then tensor-parallelised, FSDP-sharded and
-initialised like a whole model (``train.build_model``), and wrapped in ``PipelineStage``.
+initialised like a whole model (``parallel.parallelize.build_model``), and wrapped in ``PipelineStage``.
 
 Placement of the pp*vpp stages on the pp ranks follows the schedule: one per rank (GPipe, 1F1B),
 looped (rank r holds r, r+pp, ...; Interleaved1F1B, LoopedBFS, InterleavedZeroBubble), or a V for
@@ -29,8 +29,8 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor import DTensor
 
-from meshtrain.mesh import V_SCHEDULES
-from meshtrain.model import Transformer
+from meshtrain.parallel.layout import V_SCHEDULES
+from meshtrain.models.transformer import Transformer
 
 
 def stage_ids_for_rank(pp_rank: int, pp: int, vpp: int, schedule: str) -> list[int]:

@@ -16,7 +16,7 @@ outputs reduce-scattered after: Megatron's scheme, without its padding).
 
 ep (x etp) folds over the dp x cp x tp ranks of a pipeline stage: an ep group is ep ranks that each
 bring their own tokens. The edp = world / (pp * ep * etp) groups hold the same experts; FSDP shards
-them over edp and reduces their gradients (``data_parallel.apply_fsdp``).
+them over edp and reduces their gradients (``parallel.fsdp.apply_fsdp``).
 """
 
 from __future__ import annotations

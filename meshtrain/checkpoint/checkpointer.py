@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from meshtrain.config import CheckpointConfig, ModelConfig
 from meshtrain.errors import CheckpointError
-from meshtrain.hf_adapter import architecture_fields
+from meshtrain.hf.adapter import architecture_fields
 
 META = "meshtrain.json"
 INCOMPLETE = ".incomplete"
@@ -252,8 +252,8 @@ def hf_origin_of(model: ModelConfig) -> dict:
     each tensor's dtype and the config.json, so that an export from it gives back the same files."""
     if model.init_from_hf is None:
         return {}
-    from meshtrain.hf_adapter import read_hf_config
-    from meshtrain.hf_io import dtype_names, export_dtypes
+    from meshtrain.hf.adapter import read_hf_config
+    from meshtrain.hf.io import dtype_names, export_dtypes
 
     return {"hf_dtypes": dtype_names(export_dtypes(model, "auto")), "hf_config": read_hf_config(model.init_from_hf)}
 

@@ -19,15 +19,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from meshtrain import checkpoint
+from meshtrain.checkpoint import checkpointer as checkpoint
 from meshtrain.config import JobConfig, ModelConfig, TrainConfig
-from meshtrain.distributed import init_distributed, shutdown
+from meshtrain.parallel.runtime import init_distributed, shutdown
 from meshtrain.errors import CheckpointError
-from meshtrain.hf_adapter import resolve_init_from_hf, to_hf
-from meshtrain.hf_io import (check_export_target, dtypes_from_names, export_dtypes, load_hf_weights, save_hf,
+from meshtrain.hf.adapter import resolve_init_from_hf, to_hf
+from meshtrain.hf.io import (check_export_target, dtypes_from_names, export_dtypes, load_hf_weights, save_hf,
                              tokenizer_files)
-from meshtrain.mesh import build_mesh, plan_layout
-from meshtrain.model import Transformer
+from meshtrain.parallel.layout import plan_layout
+from meshtrain.parallel.mesh import build_mesh
+from meshtrain.models.transformer import Transformer
 
 
 @dataclass
@@ -64,7 +65,7 @@ def source_kind(src: pathlib.Path) -> str:
 
 def build_sharded(model_cfg: ModelConfig, device: torch.device) -> list[Transformer]:
     """The model FSDP-sharded over the whole world, uninitialised (it is about to be loaded)."""
-    from meshtrain.train import build_model
+    from meshtrain.parallel.parallelize import build_model
 
     world = dist.get_world_size()
     # One sample per rank, so that the training-batch rules of the layout hold for any world size.

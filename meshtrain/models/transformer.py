@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from meshtrain.config import ModelConfig, RopeScalingConfig
-from meshtrain.moe import MoE
+from meshtrain.models.moe import MoE
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScalingConfig) -> torch.Tensor:

@@ -28,11 +28,11 @@ from safetensors import SafetensorError, safe_open
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.tensor import DTensor, Shard
 
-from meshtrain._torch_private import StridedShard
+from meshtrain.parallel._torch_private import StridedShard
 from meshtrain.config import ModelConfig
 from meshtrain.errors import CheckpointError
-from meshtrain.hf_adapter import DTYPE_NAMES, DTYPES, hf_config_from_model, hf_shapes, to_hf
-from meshtrain.model import Transformer
+from meshtrain.hf.adapter import DTYPE_NAMES, DTYPES, hf_config_from_model, hf_shapes, to_hf
+from meshtrain.models.transformer import Transformer
 
 INDEX = "model.safetensors.index.json"
 INCOMPLETE = ".incomplete"

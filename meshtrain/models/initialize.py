@@ -13,7 +13,7 @@ import zlib
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from meshtrain.model import Transformer, init_std_for
+from meshtrain.models.transformer import Transformer, init_std_for
 
 
 def _full_value(name: str, shape: torch.Size, std: float | None, seed: int) -> torch.Tensor:

@@ -109,7 +109,7 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
 
 def hf_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
     """Every HF key of the whole model and its shape, in module order, computed on the meta device."""
-    from meshtrain.model import Transformer  # the model imports config only; keep this module light
+    from meshtrain.models.transformer import Transformer  # the model imports config only; keep this module light
 
     with torch.device("meta"):
         model = Transformer(cfg)

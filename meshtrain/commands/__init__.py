@@ -1,0 +1,1 @@
+"""The subcommands behind ``meshtrain <command>``: train, convert (plan is in meshtrain.planning)."""

@@ -1,0 +1,85 @@
+"""``meshtrain train``: resolve the config, check the layout, then run the Trainer on this rank.
+
+Everything that can be refused is refused here, before any process group exists: the layout rules,
+the Hugging Face source, the export target and a resume checkpoint's architecture.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import sys
+import warnings
+
+from meshtrain.checkpoint.checkpointer import check_architecture, read_meta
+from meshtrain.config import JobConfig, dump_yaml
+from meshtrain.errors import ConfigError
+from meshtrain.hf.adapter import resolve_init_from_hf
+from meshtrain.hf.io import check_export_target
+from meshtrain.parallel.layout import Layout, plan_layout
+from meshtrain.parallel.mesh import build_mesh
+from meshtrain.parallel.runtime import (Runtime, collective_error, init_distributed, is_collective_failure, shutdown,
+                                        world_size_from_env)
+from meshtrain.trainer import Trainer
+
+
+def prepare_run_dir(cfg: JobConfig, runtime: Runtime) -> None:
+    if runtime.is_main:
+        run_dir = pathlib.Path(cfg.train.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+
+
+def resolve(cfg: JobConfig) -> JobConfig:
+    """The config as the job will run it: with model.init_from_hf, the architecture of its config.json.
+    Checks what can fail late (the export target) before any work starts."""
+    c = cfg.checkpoint
+    for name, value, ok in [("interval", c.interval, c.interval >= 0), ("keep_last", c.keep_last, c.keep_last >= 0),
+                            ("hf_max_shard_gb", c.hf_max_shard_gb, c.hf_max_shard_gb > 0)]:
+        if not ok:
+            raise ConfigError(f"checkpoint.{name}={value} must be {'> 0' if name == 'hf_max_shard_gb' else '>= 0'}")
+    if cfg.model.init_from_hf is not None:
+        cfg = dataclasses.replace(cfg, model=resolve_init_from_hf(cfg.model))
+    if cfg.checkpoint.export_hf:
+        check_export_target(cfg.checkpoint.export_hf)
+    if c.resume not in ("auto", "never"):
+        check_architecture(read_meta(pathlib.Path(c.resume)), cfg.model, pathlib.Path(c.resume))
+    return cfg
+
+
+def plan(cfg: JobConfig) -> Layout:
+    """``plan_layout`` for this job's world size; rank 0 alone prints the layout warnings."""
+    with warnings.catch_warnings(record=True) as caught:
+        layout = plan_layout(cfg, world_size_from_env())
+    if int(os.environ.get("RANK", "0")) == 0:
+        for w in caught:
+            print(f"meshtrain: warning: {w.message}", file=sys.stderr)
+    return layout
+
+
+def dry_run(cfg: JobConfig) -> Layout:
+    layout = plan(resolve(cfg))
+    print(f"layout: {layout.describe()}")
+    for f in dataclasses.fields(layout):
+        print(f"  {f.name} = {getattr(layout, f.name)}")
+    print(f"  dp = {layout.dp}, edp = {layout.edp}")
+    return layout
+
+
+def run(cfg: JobConfig) -> list[dict[str, float]]:
+    """Train with ``cfg`` in this process (one rank of a torchrun job, or a world of one)."""
+    cfg = resolve(cfg)
+    layout = plan(cfg)
+    runtime = init_distributed(cfg.parallel.timeout_s)
+    try:
+        mesh = build_mesh(layout, runtime.device.type)
+        prepare_run_dir(cfg, runtime)
+        history = Trainer(cfg, runtime, mesh).fit()
+    except BaseException as e:
+        shutdown()
+        if isinstance(e, RuntimeError) and is_collective_failure(e):
+            raise collective_error(e, cfg.parallel.timeout_s) from None
+        raise
+    shutdown(synchronize=True)
+    return history

@@ -1,0 +1,90 @@
+"""Packed token sequences out, one shard per data-parallel rank, resumable.
+
+The token stream (``data.text``) is packed
+into fixed-length samples of seq_len + 1 tokens (inputs and shifted labels), so no token is padding.
+A ``StatefulDistributedSampler`` over the dp ranks feeds a ``StatefulDataLoader``: rank r of dp
+takes samples r, r+dp, ..., so the samples of one optimizer step are the same set for every dp size
+(what makes a dp run comparable with the single-rank run), and the loader's state is checkpointable.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Iterator
+
+import torch
+from torch.utils.data import Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+from meshtrain.errors import DataError
+
+# torchdata 0.11 calls torch.set_vital, deprecated in torch 2.13: one warning per rank and loader,
+# nothing a user can act on.
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+
+
+class PackedDataset(Dataset):
+    """Sample i is tokens[i*seq_len : (i+1)*seq_len + 1], split into (inputs, labels)."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int):
+        self.tokens = tokens
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return max(0, (len(self.tokens) - 1) // self.seq_len)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        chunk = self.tokens[i * self.seq_len : (i + 1) * self.seq_len + 1]
+        return chunk[:-1], chunk[1:]
+
+
+class BatchStream:
+    """Yields the micro-batches of each optimizer step for this dp rank, epoch after epoch.
+
+    An epoch is len(dataset) // global_batch steps; the sampler reshuffles per epoch. The state
+    (epoch, steps taken in it, the loader's own state) restores the exact position.
+    """
+
+    def __init__(self, dataset: PackedDataset, *, global_batch: int, micro_batch: int, dp_size: int,
+                 dp_rank: int, shuffle: bool, seed: int, num_workers: int):
+        self.steps_per_epoch = len(dataset) // global_batch
+        if self.steps_per_epoch == 0:
+            raise DataError(
+                f"the data holds {len(dataset)} sequences of train.seq_len+1 tokens, fewer than one "
+                f"global batch ({global_batch}); add data or lower train.global_batch_size / train.seq_len"
+            )
+        self.accum = global_batch // (micro_batch * dp_size)
+        self.sampler = StatefulDistributedSampler(
+            dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=seed, drop_last=True
+        )
+        self.loader = StatefulDataLoader(
+            dataset, batch_size=micro_batch, sampler=self.sampler, drop_last=True, num_workers=num_workers
+        )
+        self.epoch = 0
+        self.step_in_epoch = 0
+        self._it: Iterator | None = None
+
+    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self.step_in_epoch == self.steps_per_epoch:
+            self.epoch, self.step_in_epoch, self._it = self.epoch + 1, 0, None
+        if self._it is None:
+            if self.step_in_epoch == 0:
+                self.sampler.set_epoch(self.epoch)
+            self._it = iter(self.loader)
+        batches = [next(self._it) for _ in range(self.accum)]
+        self.step_in_epoch += 1
+        return batches
+
+    def state_dict(self) -> dict:
+        """The position, as global (epoch, step in epoch): the same samples whatever the dp size."""
+        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
+        if self.step_in_epoch == self.steps_per_epoch:
+            self.epoch, self.step_in_epoch = self.epoch + 1, 0
+        self.sampler.set_epoch(self.epoch)
+        # This rank's samples already taken this epoch; the sampler skips them on the next iter().
+        self.sampler.load_state_dict({"yielded": self.step_in_epoch * self.accum * self.loader.batch_size})
+        self._it = None

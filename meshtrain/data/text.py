@@ -1,0 +1,75 @@
+"""Raw text sources: .txt files, jsonl records and parquet rows, read into one token stream.
+
+Documents are tokenized and joined with EOS, so packing (``data.loader``) never pads.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Iterator
+
+import torch
+
+from meshtrain.config import DataConfig
+from meshtrain.data.tokenizer import Tokenizer
+from meshtrain.errors import DataError
+
+SUFFIXES = (".txt", ".jsonl", ".parquet")
+
+
+def data_files(path: str) -> list[pathlib.Path]:
+    root = pathlib.Path(path)
+    if root.is_file():
+        files = [root]
+    elif root.is_dir():
+        files = sorted(p for p in root.rglob("*") if p.suffix in SUFFIXES and p.is_file())
+    else:
+        raise DataError(f"data.path: {path!r} does not exist; point it at a .txt/.jsonl/.parquet file "
+                        "or a directory of them (the default is the bundled corpus)")
+    bad = [p for p in files if p.suffix not in SUFFIXES]
+    if bad:
+        raise DataError(f"data.path: {str(bad[0])!r} is not one of {', '.join(SUFFIXES)}")
+    if not files:
+        raise DataError(f"data.path: directory {path!r} holds no {'/'.join(SUFFIXES)} files")
+    return files
+
+
+def read_documents(file: pathlib.Path, text_field: str) -> Iterator[str]:
+    if file.suffix == ".txt":
+        yield file.read_text(encoding="utf-8", errors="replace")
+    elif file.suffix == ".jsonl":
+        with file.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{file}:{lineno}: not valid JSON ({e.msg})") from None
+                if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+                    raise DataError(f"{file}:{lineno}: no string field {text_field!r}; "
+                                    "set data.text_field to the field holding the text")
+                yield record[text_field]
+    else:
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DataError(f"{file}: reading parquet needs pyarrow; pip install 'meshtrain[parquet]'") from None
+        try:
+            table = pq.read_table(file, columns=[text_field])
+        except Exception as e:  # pyarrow raises several unrelated types for bad files and columns
+            raise DataError(f"{file}: cannot read column {text_field!r} ({e}); "
+                            "check the file or set data.text_field") from None
+        yield from (t for t in table.column(text_field).to_pylist() if t)
+
+
+def tokenize_corpus(cfg: DataConfig, tokenizer: Tokenizer) -> torch.Tensor:
+    """All documents as one token stream, each followed by EOS where the tokenizer has one."""
+    ids: list[int] = []
+    for file in data_files(cfg.path):
+        for doc in read_documents(file, cfg.text_field):
+            ids.extend(tokenizer.encode(doc))
+            if tokenizer.eos_id is not None:
+                ids.append(tokenizer.eos_id)
+    return torch.tensor(ids, dtype=torch.int64)

@@ -1,0 +1,60 @@
+"""Tokenizers: raw bytes (the default, no files needed) or a Hugging Face ``tokenizer.json``."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Protocol
+
+from meshtrain.config import DataConfig
+from meshtrain.errors import DataError
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    eos_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0..255, then BOS=256 and EOS=257. Needs no files."""
+
+    vocab_size = 258
+    bos_id = 256
+    eos_id = 257
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` through the ``tokenizers`` library."""
+
+    EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer as _Tokenizer
+
+        file = pathlib.Path(path)
+        if file.is_dir():
+            file = file / "tokenizer.json"
+        if not file.is_file():
+            raise DataError(f"data.tokenizer: no tokenizer file at {str(file)!r}; "
+                            "give the path of a tokenizer.json or use data.tokenizer=byte")
+        try:
+            self._tok = _Tokenizer.from_file(str(file))
+        except Exception as e:  # tokenizers raises a bare Exception on malformed files
+            raise DataError(f"data.tokenizer: cannot read {str(file)!r} as a Hugging Face tokenizer.json "
+                            f"({e}); check the file or use data.tokenizer=byte") from None
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eos_id = next((i for n in self.EOS_NAMES if (i := self._tok.token_to_id(n)) is not None), None)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+
+def build_tokenizer(cfg: DataConfig) -> Tokenizer:
+    return ByteTokenizer() if cfg.tokenizer == "byte" else HFTokenizer(cfg.tokenizer)

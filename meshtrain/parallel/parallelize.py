@@ -1,0 +1,54 @@
+"""The order parallelism is applied in, the design in one function.
+
+Build the model (or one pipeline stage of it) on the meta device, apply TP/SP, then EP to the
+stacked experts, then FSDP2, and only then materialise and initialise the local shards: no rank
+ever holds more than its shards, so a model larger than one rank's memory can be built.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor.parallel import parallelize_module
+
+from meshtrain.config import JobConfig
+from meshtrain.models.initialize import init_weights
+from meshtrain.models.moe import MoE
+from meshtrain.models.transformer import Transformer
+from meshtrain.parallel.expert import ExpertParallel
+from meshtrain.parallel.fsdp import apply_fsdp
+from meshtrain.parallel.layout import reshard_after_forward, stage_layer_counts
+from meshtrain.parallel.mesh import ParallelMesh
+from meshtrain.parallel.pipeline import split_for_stage
+from meshtrain.parallel.tensor import apply_tensor_parallel
+
+
+def build_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device, stage: int | None = None, *,
+                initialize: bool = True) -> Transformer:
+    """The whole model, or pipeline stage ``stage`` of it: built on meta, sharded, then initialised
+    (``initialize=False`` leaves the memory uninitialised, for weights about to be loaded)."""
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    if stage is not None:
+        split_for_stage(model, stage, stage_layer_counts_for(cfg))
+    model.activation_checkpointing = cfg.train.activation_checkpointing
+    if mesh.size("tp") > 1:
+        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=cfg.parallel.sp,
+                              loss_parallel=cfg.parallel.loss_parallel)
+    if mesh.experts is not None:
+        for module in model.modules():
+            if isinstance(module, MoE):
+                parallelize_module(module.experts, mesh.expert_grid, ExpertParallel())
+    apply_fsdp(model, mesh, mixed_precision=cfg.train.mixed_precision,
+               reshard_after_forward=reshard_after_forward(cfg.parallel.fsdp_reshard_after_forward, mesh.size("pp")))
+    if mesh.size("dp_cp") == 1 and cfg.train.mixed_precision == "bf16":
+        model.forward = torch.autocast(device.type, dtype=torch.bfloat16)(model.forward)  # FSDP's policy casts otherwise
+    model.to_empty(device=device)
+    model.tie_weights()
+    if initialize:
+        init_weights(model, cfg.train.seed)
+    return model
+
+
+def stage_layer_counts_for(cfg: JobConfig) -> tuple[int, ...]:
+    p = cfg.parallel
+    return tuple(stage_layer_counts(cfg.model.num_hidden_layers, p.pp, p.vpp, p.pp_layers_per_stage))
