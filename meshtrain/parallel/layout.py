@@ -2,16 +2,8 @@
 
 ``plan_layout`` is pure: it turns the config and a world size into a ``Layout`` or raises a
 ``ConfigError`` naming the rule, the values and a fix. ``meshtrain.parallel.mesh.build_mesh``
-then turns the Layout into the DeviceMesh that every parallel decision reads afterwards:
-
-    dense mesh  ("pp", "dp_replicate", "dp_shard", "cp", "tp")   tp innermost, pp outermost
-    flattened   "dp" = dp_replicate x dp_shard        data loading (each dp rank reads its shard)
-                "dp_shard_cp" = dp_shard x cp         FSDP2 shards parameters over these ranks
-                "dp_cp" = dp_replicate x dp_shard x cp  loss and gradient averaging
-                "cp_tp" = cp x tp                     the ranks sharing a sequence (MoE balancing loss)
-                "stage" = dp_replicate x dp_shard x cp x tp   one pp stage (expert load counts)
-    expert mesh ("edp", "ep", "etp")                  the same ranks of one pp stage, regrouped:
-                ep folds over dp x cp (x tp), edp = world / (pp * ep * etp)
+then turns the Layout into the DeviceMesh that every parallel decision reads afterwards (its dims
+and flattened submeshes are listed there).
 """
 
 from __future__ import annotations

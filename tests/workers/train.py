@@ -1,0 +1,41 @@
+"""Train a few steps with the CLI's options and save what rank 0 sees: OUT/out.pt holds the per-step
+losses and grad norms, the full (unsharded) final weights, and the collectives of the first and
+second steps by op name."""
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from meshtrain.cli import parse
+from meshtrain.config import JobConfig
+from meshtrain.parallel.layout import plan_layout
+from meshtrain.parallel.mesh import build_mesh
+from meshtrain.telemetry.comm_counter import CollectiveCounter
+from meshtrain.trainer import Trainer
+
+
+def run(args, out, runtime) -> None:
+    cfg = parse(JobConfig, [*args, "--train.run-dir", str(out / "run")], "train job")
+    mesh = build_mesh(plan_layout(cfg, runtime.world_size), runtime.device.type)
+    trainer = Trainer(cfg, runtime, mesh)
+    with CollectiveCounter() as comm:
+        history = [trainer.train_step()]
+    with CollectiveCounter() as comm2:  # steady state: step 1 also holds one-off set-up (pipeline shapes)
+        history.append(trainer.train_step())
+    history += [trainer.train_step() for _ in range(cfg.train.steps - 2)]
+    # Each pipeline stage gathers its own full weights; rank 0 merges the stages' global names.
+    state = {}
+    for part in trainer.parts:
+        part_state = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
+        state |= {name: value.cpu() for name, value in part_state.items()}
+    states = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(states, state)
+    state = {name: value for s in states for name, value in s.items()}
+    if runtime.is_main:
+        torch.save({
+            "layout": mesh.describe(cfg.parallel),
+            "losses": [m["loss"] for m in history],
+            "grad_norms": [m["grad_norm"] for m in history],
+            "state": state,
+            "comm_counts": dict(comm.counts),
+            "comm_counts_step2": dict(comm2.counts),
+        }, out / "out.pt")
