@@ -67,15 +67,20 @@ def dry_run(cfg: JobConfig) -> Layout:
     return layout
 
 
+def train(cfg: JobConfig, layout: Layout, runtime: Runtime) -> list[dict[str, float]]:
+    """The job on a process group that exists: its mesh, its run dir, the Trainer's steps."""
+    mesh = build_mesh(layout, runtime.device.type)
+    prepare_run_dir(cfg, runtime)
+    return Trainer(cfg, runtime, mesh).fit()
+
+
 def run(cfg: JobConfig) -> list[dict[str, float]]:
     """Train with ``cfg`` in this process (one rank of a torchrun job, or a world of one)."""
     cfg = resolve(cfg)
     layout = plan(cfg)
     runtime = init_distributed(cfg.parallel.timeout_s)
     try:
-        mesh = build_mesh(layout, runtime.device.type)
-        prepare_run_dir(cfg, runtime)
-        history = Trainer(cfg, runtime, mesh).fit()
+        history = train(cfg, layout, runtime)
     except BaseException as e:
         shutdown()
         if isinstance(e, RuntimeError) and is_collective_failure(e):
