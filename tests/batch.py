@@ -6,7 +6,8 @@ then the process group), not its few tiny steps; a batch pays it once per world 
 their job with ``@pytest.mark.job(Job(...))`` (or ``jobs(...)`` inside a parametrisation), the
 ``batches`` fixture runs the jobs of every collected test lazily, and ``batches.result(job)``
 returns the job's output directory. A job that fails fails its own test only: the batch is
-relaunched with the jobs after it.
+relaunched with the jobs after it. A job may need others first (``after``: e.g. a resume needs the
+run that wrote the checkpoint); ``{jobs}`` in its args is the directory holding every job's.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 
 from tests.conftest import torchrun
 
-KINDS = ("train", "hf", "mesh", "ring_attention", "allocation")
+KINDS = ("train", "train_command", "hf", "mesh", "ring_attention", "allocation")
 """What a job does on every rank: tests/workers/<kind>.py."""
 
 SECONDS_PER_JOB = 120
@@ -37,6 +38,9 @@ class Job:
     prepare: Callable[[pathlib.Path], tuple[str, ...]] | None = None
     """Run in the pytest process before the launch, with the job's directory: returns more args
     (e.g. writes a Hugging Face model there and returns --model.init-from-hf DIR)."""
+    after: tuple["Job", ...] = ()
+    """Jobs that must be done first (any world size); a job of the same world size may run earlier in
+    the same launch."""
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -50,12 +54,18 @@ def jobs(argname: str, table: dict[str, Job]):
 
 
 def selected_jobs(items) -> dict[str, Job]:
+    """The jobs of these tests and the jobs they need, each after what it needs."""
     found: dict[str, Job] = {}
+
+    def add(job: Job) -> None:
+        for dependency in job.after:
+            add(dependency)
+        if found.setdefault(job.name, job) != job:
+            raise ValueError(f"two different jobs are named {job.name!r}")
+
     for item in items:
         for mark in item.iter_markers("job"):
-            job = mark.args[0]
-            if found.setdefault(job.name, job) != job:
-                raise ValueError(f"two different jobs are named {job.name!r}")
+            add(mark.args[0])
     return found
 
 
@@ -68,12 +78,25 @@ class Batches:
     def result(self, job: Job) -> pathlib.Path:
         """The job's directory, once it has run (with every pending job of its world size)."""
         directory = self.root / job.name
-        if not (directory / "done").exists() and job.name not in self.errors:
+        for dependency in job.after:
+            self.result(dependency)
+        if not self._done(job) and job.name not in self.errors:
             self.pending.setdefault(job.name, job)
-            self._run([j for j in self.pending.values() if j.nproc == job.nproc])
+            self._run(self._ready(job.nproc))
         if job.name in self.errors:
             pytest.fail(f"job {job.name} on {job.nproc} ranks failed:\n{self.errors[job.name]}", pytrace=False)
         return directory
+
+    def _done(self, job: Job) -> bool:
+        return (self.root / job.name / "done").exists()
+
+    def _ready(self, nproc: int) -> list[Job]:
+        """The pending jobs of this world size whose dependencies are done or run before them here."""
+        ready: list[Job] = []
+        for job in self.pending.values():
+            if job.nproc == nproc and all(self._done(d) or d in ready for d in job.after):
+                ready.append(job)
+        return ready
 
     def _run(self, batch: list[Job]) -> None:
         for job in batch:
@@ -84,7 +107,8 @@ class Batches:
         for job in batch:
             directory = self.root / job.name
             extra = job.prepare(directory) if job.prepare else ()
-            specs.append({"name": job.name, "kind": job.kind, "dir": str(directory), "args": [*job.args, *extra]})
+            args = [a.replace("{jobs}", str(self.root)) for a in (*job.args, *extra)]
+            specs.append({"name": job.name, "kind": job.kind, "dir": str(directory), "args": args})
         while specs:
             spec_file = self.root / f"batch-{re.sub(r'[^A-Za-z0-9]+', '_', specs[0]['name'])}.json"
             spec_file.write_text(json.dumps(specs, indent=1))

@@ -56,3 +56,25 @@ def torchrun(nproc: int, args: list[str], timeout: int = 600, env: dict | None =
 @pytest.fixture
 def run_dir(tmp_path):
     return str(tmp_path / "run")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "job(job): the multi-rank batch job (tests/batch.py) this test reads")
+
+
+_SELECTED_JOBS = pytest.StashKey[dict]()
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection: only the selected tests' jobs run
+def pytest_collection_modifyitems(config, items):
+    from tests.batch import selected_jobs
+
+    config.stash[_SELECTED_JOBS] = selected_jobs(items)
+
+
+@pytest.fixture(scope="session")
+def batches(request, tmp_path_factory):
+    """Runs the collected tests' multi-rank jobs, one torchrun launch per world size (tests/batch.py)."""
+    from tests.batch import Batches
+
+    return Batches(request.config.stash.get(_SELECTED_JOBS, {}), tmp_path_factory.mktemp("jobs"))

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from tests.batch import Job, jobs
 from tests.conftest import ROOT, tiny_args, torchrun
 from tests.hf_models import assert_same_tensors, read_tensors, write_hf_dir
 
@@ -28,19 +29,27 @@ IMPORT_LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", IMPORT_LAYOUTS)
-def test_hf_import_into_layout_matches_transformers_and_exports_bit_exact(name, tmp_path):
+def import_job(name: str) -> Job:
+    nproc, family, dtype, layout = IMPORT_LAYOUTS[name]
+
+    def write_source(directory) -> tuple[str, ...]:
+        return ("--model.init-from-hf", str(write_hf_dir(directory / "src", family, dtype)))
+
+    return Job(f"checkpoint/import-{name}", nproc, "hf", (*TINY_NO_MODEL, *layout), prepare=write_source)
+
+
+IMPORT_JOBS = {name: import_job(name) for name in IMPORT_LAYOUTS}
+
+
+@jobs("name", IMPORT_JOBS)
+def test_hf_import_into_layout_matches_transformers_and_exports_bit_exact(batches, name):
     import transformers
 
     nproc, family, dtype, layout = IMPORT_LAYOUTS[name]
-    src = write_hf_dir(tmp_path / "src", family, dtype)
-    out = tmp_path / "out"
-    out.mkdir()
-    proc = torchrun(nproc, ["tests/hf_worker.py", str(out), *TINY_NO_MODEL, *layout, "--model.init-from-hf", str(src),
-                            "--train.run-dir", str(tmp_path / "run")])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    out = batches.result(IMPORT_JOBS[name])
+    src = out / "src"  # written by write_hf_dir before the launch
     reference = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    from tests.hf_worker import TOKENS
+    from tests.workers.hf import TOKENS
 
     with torch.no_grad():
         expected = reference(TOKENS).logits
@@ -56,32 +65,48 @@ def test_hf_import_into_layout_matches_transformers_and_exports_bit_exact(name, 
     assert json.loads((out / "hf" / "config.json").read_text())["eos_token_id"] == 2  # carried from the source
 
 
-def train(tmp_path, name: str, nproc: int, *options: str) -> list[float]:
-    run_dir = tmp_path / name
-    proc = torchrun(nproc, ["-m", "meshtrain", "train", *TINY, "--train.steps", "6", "--logging.jsonl", "True",
-                            "--train.run-dir", str(run_dir), *options])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def resume_job(name: str, nproc: int, *options: str, after: tuple[Job, ...] = ()) -> Job:
+    """``meshtrain train`` for 6 steps (tests/workers/train_command.py), metrics.jsonl in its directory."""
+    return Job(f"checkpoint/resume-{name}", nproc, "train_command",
+               (*TINY, "--train.steps", "6", "--logging.jsonl", "True", *options), after=after)
 
 
-def test_resume_under_other_layouts_and_bitwise_under_the_same(tmp_path):
-    whole = train(tmp_path, "one-rank", 1, "--checkpoint.interval", "3")
-    step3 = str(tmp_path / "one-rank" / "checkpoints" / "step-000003")
-    for name, nproc, layout in [("tp2-dp2", 4, ["--parallel.tp", "2"]),
-                                ("pp2-dp2", 4, ["--parallel.pp", "2"])]:
-        resumed = train(tmp_path, name, nproc, "--checkpoint.resume", step3, "--checkpoint.interval", "3", *layout)
-        torch.testing.assert_close(resumed, whole[3:], rtol=LOSS_RTOL, atol=0)
-    # A 4-rank checkpoint (written in the background), resumed by 4 ranks of the same layout: the very same floats.
-    sharded = train(tmp_path, "tp2-dp2-whole", 4, "--parallel.tp", "2", "--checkpoint.interval", "3",
-                    "--checkpoint.async-save", "True")
+def step3(job: Job) -> str:
+    return f"{{jobs}}/{job.name}/checkpoints/step-000003"
+
+
+def losses(batches, job: Job) -> list[float]:
+    return [json.loads(line)["loss"] for line in (batches.result(job) / "metrics.jsonl").read_text().splitlines()]
+
+
+ONE_RANK = resume_job("one-rank", 1, "--checkpoint.interval", "3")
+RESUMED = [resume_job(name, 4, "--checkpoint.resume", step3(ONE_RANK), "--checkpoint.interval", "3", *layout,
+                      after=(ONE_RANK,))
+           for name, layout in [("tp2-dp2", ["--parallel.tp", "2"]), ("pp2-dp2", ["--parallel.pp", "2"])]]
+# A 4-rank checkpoint (written in the background), resumed by 4 ranks of the same layout and by a pipeline.
+SHARDED = resume_job("tp2-dp2-whole", 4, "--parallel.tp", "2", "--checkpoint.interval", "3",
+                     "--checkpoint.async-save", "True")
+SHARDED_AGAIN = resume_job("tp2-dp2-again", 4, "--parallel.tp", "2", "--checkpoint.resume", step3(SHARDED),
+                           after=(SHARDED,))
+SHARDED_TO_PP = resume_job("pp2", 2, "--parallel.pp", "2", "--checkpoint.resume", step3(SHARDED), after=(SHARDED,))
+
+
+@pytest.mark.job(ONE_RANK)
+@pytest.mark.job(RESUMED[0])
+@pytest.mark.job(RESUMED[1])
+@pytest.mark.job(SHARDED)
+@pytest.mark.job(SHARDED_AGAIN)
+@pytest.mark.job(SHARDED_TO_PP)
+def test_resume_under_other_layouts_and_bitwise_under_the_same(batches):
+    whole = losses(batches, ONE_RANK)
+    for job in RESUMED:
+        torch.testing.assert_close(losses(batches, job), whole[3:], rtol=LOSS_RTOL, atol=0)
+    # the 4-rank checkpoint, resumed by 4 ranks of the same layout: the very same floats
+    sharded = losses(batches, SHARDED)
     torch.testing.assert_close(sharded, whole, rtol=LOSS_RTOL, atol=0)
-    again = train(tmp_path, "tp2-dp2-again", 4, "--parallel.tp", "2", "--checkpoint.resume",
-                  str(tmp_path / "tp2-dp2-whole" / "checkpoints" / "step-000003"))
-    assert again == sharded[3:]
+    assert losses(batches, SHARDED_AGAIN) == sharded[3:]
     # ... and by 2 ranks of a pipeline: from tp x FSDP shards to pp stages.
-    pp = train(tmp_path, "pp2", 2, "--parallel.pp", "2", "--checkpoint.resume",
-               str(tmp_path / "tp2-dp2-whole" / "checkpoints" / "step-000003"))
-    torch.testing.assert_close(pp, sharded[3:], rtol=LOSS_RTOL, atol=0)
+    torch.testing.assert_close(losses(batches, SHARDED_TO_PP), sharded[3:], rtol=LOSS_RTOL, atol=0)
 
 
 def meshtrain(*args) -> subprocess.CompletedProcess:

@@ -3,17 +3,19 @@ single-process run (the CPU path; CUDA runs torch's stock context_parallel)."""
 
 import pytest
 
-from tests.conftest import torchrun
-from tests.test_parallel import PP_MODEL, assert_matches_reference, reference, run_layout
+from tests.batch import Job, jobs
+from tests.test_parallel import PP_MODEL, assert_matches_reference, reference, run_layout, train_job
 
 pytestmark = pytest.mark.slow
 
+RING_JOBS = {f"{rotate}-{cp}": Job(f"cp/ring-attention-cp{cp}-{rotate}", cp, "ring_attention", (rotate,))
+             for cp in (2, 4) for rotate in ("allgather", "alltoall")}
 
-@pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("rotate", ["allgather", "alltoall"])
-def test_ring_attention_equals_full_attention(cp, rotate):
-    proc = torchrun(cp, ["tests/cp_attention_worker.py", rotate])
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+@jobs("case", RING_JOBS)
+def test_ring_attention_equals_full_attention(batches, case):
+    """tests/workers/ring_attention.py raises unless output and input grads match full attention."""
+    assert (batches.result(RING_JOBS[case]) / "done").exists()
 
 
 CP_LAYOUTS = {  # name: (ranks, options, model options, layout line)
@@ -26,11 +28,12 @@ CP_LAYOUTS = {  # name: (ranks, options, model options, layout line)
                                ("--model.family", "qwen3"), "CP2"),
     "pp2-cp2": (4, ["--parallel.cp", "2", "--parallel.pp", "2"], PP_MODEL, "TP1 PP2 DP1 CP2 EP1 [1F1B]"),
 }
+CP_JOBS = {name: train_job(f"cp/{name}", nproc, layout, model) for name, (nproc, layout, model, _) in CP_LAYOUTS.items()}
 
 
-@pytest.mark.parametrize("name", CP_LAYOUTS)
-def test_cp_layout_equals_single_rank(tmp_path, name):
+@jobs("name", CP_JOBS)
+def test_cp_layout_equals_single_rank(batches, name):
     nproc, layout, model, line = CP_LAYOUTS[name]
-    got = run_layout(tmp_path, nproc, layout, model)
+    got = run_layout(batches, CP_JOBS[name])
     assert line in got["layout"]
     assert_matches_reference(got, reference(model))

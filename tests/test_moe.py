@@ -16,7 +16,8 @@ from meshtrain.models.initialize import init_weights
 from meshtrain.models.transformer import Transformer
 from meshtrain.models.moe import MoE, grouped_expert_ffn, grouped_mm_supported, looped_expert_ffn, use_grouped_mm
 from tests.hf_models import read_tensors
-from tests.test_parallel import assert_matches_reference, reference, run_layout
+from tests.batch import Job, jobs
+from tests.test_parallel import assert_matches_reference, reference, run_layout, train_job
 
 CONFIGS = {
     "qwen3_moe": lambda **kw: transformers.Qwen3MoeConfig(**({
@@ -261,12 +262,16 @@ MOE_LAYOUTS = {  # name: (ranks, options, extra model options, layout line)
 }
 
 
+MOE_JOBS = {name: train_job(f"moe/{name}", nproc, layout, MOE_ARGS + extra)
+            for name, (nproc, layout, extra, _) in MOE_LAYOUTS.items()}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", MOE_LAYOUTS)
-def test_moe_layout_equals_single_rank(tmp_path, name):
+@jobs("name", MOE_JOBS)
+def test_moe_layout_equals_single_rank(batches, name):
     """Loss, grad norm (aux loss included) and final weights (routing biases included) per step."""
     nproc, layout, extra, line = MOE_LAYOUTS[name]
-    got = run_layout(tmp_path, nproc, layout, MOE_ARGS + extra)
+    got = run_layout(batches, MOE_JOBS[name])
     assert line in got["layout"], got["layout"]
     assert_matches_reference(got, reference(MOE_ARGS + extra))
 
@@ -313,23 +318,33 @@ SHARDED_IMPORTS = {  # name: (ranks, family, layout, HF config); the experts sha
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", SHARDED_IMPORTS)
-def test_sharded_moe_import_matches_transformers_and_exports_bit_exact(tmp_path, name):
-    """Each rank reads only its experts' (slices of) per-expert HF tensors; the logits equal
-    transformers', and the export written from the sharded experts is byte-identical."""
-    from tests.conftest import torchrun
-    from tests.hf_models import assert_same_tensors
-    from tests.hf_worker import TOKENS
+def sharded_import_job(name: str) -> Job:
     from tests.test_checkpoint_parallel import TINY_NO_MODEL
 
     nproc, family, layout, config = SHARDED_IMPORTS[name]
-    hf, directory = hf_dir(tmp_path, family, vocab_size=384, **config)
-    out = tmp_path / "out"
-    out.mkdir()
-    proc = torchrun(nproc, ["tests/hf_worker.py", str(out), *TINY_NO_MODEL, *layout, "--model.init-from-hf",
-                            str(directory), "--train.run-dir", str(tmp_path / "run")])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+    def write_source(directory) -> tuple[str, ...]:
+        _, source = hf_dir(directory, family, vocab_size=384, **config)
+        return ("--model.init-from-hf", str(source))
+
+    return Job(f"moe/import-{name}", nproc, "hf", (*TINY_NO_MODEL, *layout), prepare=write_source)
+
+
+SHARDED_IMPORT_JOBS = {name: sharded_import_job(name) for name in SHARDED_IMPORTS}
+
+
+@pytest.mark.slow
+@jobs("name", SHARDED_IMPORT_JOBS)
+def test_sharded_moe_import_matches_transformers_and_exports_bit_exact(batches, name):
+    """Each rank reads only its experts' (slices of) per-expert HF tensors; the logits equal
+    transformers', and the export written from the sharded experts is byte-identical."""
+    from tests.hf_models import assert_same_tensors
+    from tests.workers.hf import TOKENS
+
+    nproc, family, layout, config = SHARDED_IMPORTS[name]
+    out = batches.result(SHARDED_IMPORT_JOBS[name])
+    directory = out / family  # written by hf_dir before the launch
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(torch.load(out / "logits.pt"), hf(TOKENS).logits, rtol=1e-5, atol=1e-5)
     assert_same_tensors(read_tensors(directory), read_tensors(out / "hf"))
@@ -381,27 +396,40 @@ def test_bad_moe_hf_directories_name_the_file_and_key(tmp_path, how):
     assert (str(directory) if how == "missing-expert" else file.name) in str(e.value)  # a missing key is in no file
 
 
+def moe_resume_job(name: str, nproc: int, *options: str, after: tuple[Job, ...] = ()) -> Job:
+    from tests.conftest import tiny_args
+
+    return Job(f"moe/resume-{name}", nproc, "train_command",
+               (*tiny_args(), *MOE_ARGS, *AUX, "--model.router-bias-update-rate", "0.01", "--train.steps", "6",
+                "--logging.jsonl", "True", *options), after=after)
+
+
+MOE_WHOLE = moe_resume_job("ep2", 2, "--parallel.ep", "2", "--checkpoint.interval", "3")
+MOE_STEP3 = f"{{jobs}}/{MOE_WHOLE.name}/checkpoints/step-000003"
+MOE_AGAIN = moe_resume_job("ep2-again", 2, "--parallel.ep", "2", "--checkpoint.resume", MOE_STEP3, after=(MOE_WHOLE,))
+MOE_RESUMED = [moe_resume_job(name, nproc, "--checkpoint.resume", MOE_STEP3, *layout, after=(MOE_WHOLE,))
+               for name, nproc, layout in [
+                   ("fsdp2", 2, []),
+                   ("tp2-etp2", 2, ["--parallel.tp", "2", "--parallel.sp", "True", "--parallel.etp", "2"]),
+                   ("ep2-edp2", 4, ["--parallel.ep", "2"])]]  # FSDP splits each ep shard over edp
+
+
+def metrics_losses(batches, job: Job) -> list[float]:
+    return [json.loads(line)["loss"] for line in (batches.result(job) / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.slow
-def test_moe_checkpoint_resumes_under_other_expert_layouts(tmp_path):
+@pytest.mark.job(MOE_WHOLE)
+@pytest.mark.job(MOE_AGAIN)
+@pytest.mark.job(MOE_RESUMED[0])
+@pytest.mark.job(MOE_RESUMED[1])
+@pytest.mark.job(MOE_RESUMED[2])
+def test_moe_checkpoint_resumes_under_other_expert_layouts(batches):
     """An ep2 checkpoint (stacked experts sharded over ep, routing biases) resumed by ep2 (bitwise),
     by FSDP without ep, by tp2 x etp2 and by ep2 x edp2: the same per-step losses as the
     uninterrupted ep2 run."""
-    from tests.conftest import tiny_args, torchrun
-
-    def train(name, nproc, *options):
-        run_dir = tmp_path / name
-        proc = torchrun(nproc, ["-m", "meshtrain", "train", *tiny_args(), *MOE_ARGS, *AUX,
-                                "--model.router-bias-update-rate", "0.01", "--train.steps", "6",
-                                "--logging.jsonl", "True", "--train.run-dir", str(run_dir), *options])
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-        return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-    whole = train("ep2", 2, "--parallel.ep", "2", "--checkpoint.interval", "3")
-    step3 = str(tmp_path / "ep2" / "checkpoints" / "step-000003")
+    whole = metrics_losses(batches, MOE_WHOLE)
     # the routing biases are training state: before they were kept, even this differed (2.8e-5)
-    assert train("ep2-again", 2, "--parallel.ep", "2", "--checkpoint.resume", step3) == whole[3:]
-    for name, nproc, layout in [("fsdp2", 2, []),
-                                ("tp2-etp2", 2, ["--parallel.tp", "2", "--parallel.sp", "True", "--parallel.etp", "2"]),
-                                ("ep2-edp2", 4, ["--parallel.ep", "2"])]:  # FSDP splits each ep shard over edp
-        resumed = train(name, nproc, "--checkpoint.resume", step3, *layout)
-        torch.testing.assert_close(resumed, whole[3:], rtol=1e-5, atol=0)
+    assert metrics_losses(batches, MOE_AGAIN) == whole[3:]
+    for job in MOE_RESUMED:
+        torch.testing.assert_close(metrics_losses(batches, job), whole[3:], rtol=1e-5, atol=0)

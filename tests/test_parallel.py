@@ -12,7 +12,8 @@ import torch
 
 from meshtrain.cli import parse
 from meshtrain.config import JobConfig
-from tests.conftest import tiny_args, torchrun
+from tests.batch import Job, jobs
+from tests.conftest import tiny_args
 from tests.reference import reference_run
 
 pytestmark = pytest.mark.slow
@@ -29,12 +30,13 @@ def reference(extra: tuple[str, ...]) -> dict:
     return reference_run(parse(JobConfig, TINY + list(extra), "ref"))
 
 
-def run_layout(tmp_path, nproc: int, layout: list[str], extra: tuple[str, ...] = ()) -> dict:
-    out = tmp_path / "out.pt"
-    proc = torchrun(nproc, ["tests/parity_worker.py", str(out), *TINY, *extra, *layout,
-                            "--train.run-dir", str(tmp_path / "run")])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return torch.load(out, weights_only=False)
+def train_job(name: str, nproc: int, layout: list[str], extra: tuple[str, ...] = ()) -> Job:
+    """A batch job (tests/workers/train.py) training TINY (+ extra) under ``layout`` on ``nproc`` ranks."""
+    return Job(name, nproc, "train", (*TINY, *extra, *layout))
+
+
+def run_layout(batches, job: Job) -> dict:
+    return torch.load(batches.result(job) / "out.pt", weights_only=False)
 
 
 def assert_matches_reference(got: dict, ref: dict) -> None:
@@ -84,34 +86,44 @@ def expected_collectives(name: str, counts: dict) -> None:
                                  "all_reduce": 2 * L + 1, "allreduce": 2}
 
 
-@pytest.mark.parametrize("name", LAYOUTS)
-def test_layout_equals_single_rank(tmp_path, name):
+JOBS = {name: train_job(f"parallel/{name}", nproc, layout) for name, (nproc, layout, _) in LAYOUTS.items()}
+
+
+@jobs("name", JOBS)
+def test_layout_equals_single_rank(batches, name):
     nproc, layout, line = LAYOUTS[name]
-    got = run_layout(tmp_path, nproc, layout)
+    got = run_layout(batches, JOBS[name])
     assert line in got["layout"]
     assert_matches_reference(got, reference(()))
     expected_collectives(name, got["comm_counts"])
 
 
-def test_qwen3_tp2_sp_with_hsdp(tmp_path):
+QWEN3 = ("--model.family", "qwen3")
+QWEN3_HEAD8 = QWEN3 + ("--model.head-dim", "8")
+QWEN3_TP2_SP_HSDP = train_job("parallel/qwen3-tp2-sp-hsdp", 8, ["--parallel.tp", "2", "--parallel.sp", "True",
+                                                                 "--parallel.dp-replicate", "2"], QWEN3_HEAD8)
+QWEN3_TP2 = train_job("parallel/qwen3-tp2", 2, ["--parallel.tp", "2"], QWEN3)
+TIED = ("--model.tie-word-embeddings", "True")
+TIED_AC_FSDP2 = train_job("parallel/tied-ac-fsdp2", 2, ["--parallel.dp-shard", "2"],
+                          TIED + ("--train.activation-checkpointing", "True"))
+
+
+@pytest.mark.job(QWEN3_TP2_SP_HSDP)
+def test_qwen3_tp2_sp_with_hsdp(batches):
     """q/k norms are replicated over tp and fed sharded heads: their grads must be summed over tp."""
-    extra = ("--model.family", "qwen3", "--model.head-dim", "8")
-    got = run_layout(tmp_path, 8, ["--parallel.tp", "2", "--parallel.sp", "True", "--parallel.dp-replicate", "2"], extra)
-    assert_matches_reference(got, reference(extra))
+    assert_matches_reference(run_layout(batches, QWEN3_TP2_SP_HSDP), reference(QWEN3_HEAD8))
 
 
-def test_qwen3_tp2_without_fsdp(tmp_path):
+@pytest.mark.job(QWEN3_TP2)
+def test_qwen3_tp2_without_fsdp(batches):
     """Without FSDP the replicated q/k norm DTensors sit beside plain norm tensors: the optimizer's
     foreach step must not mix them (it raised before the param groups were split by kind)."""
-    extra = ("--model.family", "qwen3")
-    got = run_layout(tmp_path, 2, ["--parallel.tp", "2"], extra)
-    assert_matches_reference(got, reference(extra))
+    assert_matches_reference(run_layout(batches, QWEN3_TP2), reference(QWEN3))
 
 
-def test_tied_embeddings_and_activation_checkpointing_under_fsdp(tmp_path):
-    tied = ("--model.tie-word-embeddings", "True")
-    got = run_layout(tmp_path, 2, ["--parallel.dp-shard", "2"], tied + ("--train.activation-checkpointing", "True"))
-    assert_matches_reference(got, reference(tied))
+@pytest.mark.job(TIED_AC_FSDP2)
+def test_tied_embeddings_and_activation_checkpointing_under_fsdp(batches):
+    assert_matches_reference(run_layout(batches, TIED_AC_FSDP2), reference(TIED))
 
 
 PP_MODEL = ("--model.num-hidden-layers", "4")  # pp2 x vpp2 = 4 stages of one layer
@@ -143,10 +155,14 @@ def expected_p2p(stages: list[int], num_stages: int, microbatches: int) -> int:
     return sends * microbatches
 
 
-@pytest.mark.parametrize("name", PIPELINE_LAYOUTS)
-def test_pipeline_layout_equals_single_rank(tmp_path, name):
+PIPELINE_JOBS = {name: train_job(f"parallel/{name}", nproc, layout, PP_MODEL)
+                 for name, (nproc, layout, _, _) in PIPELINE_LAYOUTS.items()}
+
+
+@jobs("name", PIPELINE_JOBS)
+def test_pipeline_layout_equals_single_rank(batches, name):
     nproc, layout, line, stages = PIPELINE_LAYOUTS[name]
-    got = run_layout(tmp_path, nproc, layout, PP_MODEL)
+    got = run_layout(batches, PIPELINE_JOBS[name])
     assert line in got["layout"]
     assert_matches_reference(got, reference(PP_MODEL))
     cfg = parse(JobConfig, TINY + list(PP_MODEL) + layout, "check")
@@ -162,7 +178,11 @@ def test_pipeline_layout_equals_single_rank(tmp_path, name):
         assert steady["_allgather_base"] == steady["_reduce_scatter_base"] == units, steady
 
 
-def test_mesh_groups_on_eight_ranks():
-    """Every flattened submesh and the expert grid hold the ranks the layout table says."""
-    proc = torchrun(8, ["tests/mesh_worker.py"], timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+MESH_GROUPS = Job("parallel/mesh-groups", 8, "mesh")
+
+
+@pytest.mark.job(MESH_GROUPS)
+def test_mesh_groups_on_eight_ranks(batches):
+    """Every flattened submesh and the expert grid hold the ranks the layout table says
+    (tests/workers/mesh.py raises on any other)."""
+    assert (batches.result(MESH_GROUPS) / "done").exists()

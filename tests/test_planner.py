@@ -21,7 +21,8 @@ from meshtrain.planning.recommend import recommend
 from meshtrain.planning.report import unsharded
 from meshtrain.planning.shapes import (active_parameters, parameter_tensors, resolve, shape_from_count,
                                       shape_from_hf_config, shape_from_model_config, total_parameters)
-from tests.conftest import ROOT, tiny_config, torchrun
+from tests.batch import Job, jobs
+from tests.conftest import ROOT, tiny_config
 
 
 def plan(**kw):
@@ -226,13 +227,15 @@ LAYOUTS = {
 }
 
 
+ALLOCATION_JOBS = {world: Job(f"planner/allocation-{world}", world, "allocation",
+                              (json.dumps([{"name": n, "sections": s} for n, s in LAYOUTS[world]]),))
+                   for world in sorted(LAYOUTS)}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("world", sorted(LAYOUTS))
-def test_plan_bytes_match_the_trainers_allocation(world, tmp_path):
-    specs = [{"name": n, "sections": s} for n, s in LAYOUTS[world]]
-    (tmp_path / "layouts.json").write_text(json.dumps(specs))
-    result = torchrun(world, ["tests/allocation_worker.py", str(tmp_path), str(tmp_path / "layouts.json")])
-    assert result.returncode == 0, result.stderr[-3000:]
+@jobs("world", ALLOCATION_JOBS)
+def test_plan_bytes_match_the_trainers_allocation(batches, world):
+    tmp_path = batches.result(ALLOCATION_JOBS[world])
     for name, sections in LAYOUTS[world]:
         cfg = tiny_config(**sections)
         layout = plan_layout(cfg, world)
