@@ -99,13 +99,11 @@ class Batches:
         return ready
 
     def _run(self, batch: list[Job]) -> None:
+        specs = []
         for job in batch:
             self.pending.pop(job.name)
             directory = self.root / job.name
             directory.mkdir(parents=True, exist_ok=True)
-        specs = []
-        for job in batch:
-            directory = self.root / job.name
             extra = job.prepare(directory) if job.prepare else ()
             args = [a.replace("{jobs}", str(self.root)) for a in (*job.args, *extra)]
             specs.append({"name": job.name, "kind": job.kind, "dir": str(directory), "args": args})

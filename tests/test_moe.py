@@ -17,6 +17,7 @@ from meshtrain.models.transformer import Transformer
 from meshtrain.models.moe import MoE, grouped_expert_ffn, grouped_mm_supported, looped_expert_ffn, use_grouped_mm
 from tests.hf_models import read_tensors
 from tests.batch import Job, jobs
+from tests.test_checkpoint_parallel import losses, step3
 from tests.test_parallel import assert_matches_reference, reference, run_layout, train_job
 
 CONFIGS = {
@@ -405,17 +406,13 @@ def moe_resume_job(name: str, nproc: int, *options: str, after: tuple[Job, ...] 
 
 
 MOE_WHOLE = moe_resume_job("ep2", 2, "--parallel.ep", "2", "--checkpoint.interval", "3")
-MOE_STEP3 = f"{{jobs}}/{MOE_WHOLE.name}/checkpoints/step-000003"
+MOE_STEP3 = step3(MOE_WHOLE)
 MOE_AGAIN = moe_resume_job("ep2-again", 2, "--parallel.ep", "2", "--checkpoint.resume", MOE_STEP3, after=(MOE_WHOLE,))
 MOE_RESUMED = [moe_resume_job(name, nproc, "--checkpoint.resume", MOE_STEP3, *layout, after=(MOE_WHOLE,))
                for name, nproc, layout in [
                    ("fsdp2", 2, []),
                    ("tp2-etp2", 2, ["--parallel.tp", "2", "--parallel.sp", "True", "--parallel.etp", "2"]),
                    ("ep2-edp2", 4, ["--parallel.ep", "2"])]]  # FSDP splits each ep shard over edp
-
-
-def metrics_losses(batches, job: Job) -> list[float]:
-    return [json.loads(line)["loss"] for line in (batches.result(job) / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow
@@ -428,8 +425,8 @@ def test_moe_checkpoint_resumes_under_other_expert_layouts(batches):
     """An ep2 checkpoint (stacked experts sharded over ep, routing biases) resumed by ep2 (bitwise),
     by FSDP without ep, by tp2 x etp2 and by ep2 x edp2: the same per-step losses as the
     uninterrupted ep2 run."""
-    whole = metrics_losses(batches, MOE_WHOLE)
+    whole = losses(batches, MOE_WHOLE)
     # the routing biases are training state: before they were kept, even this differed (2.8e-5)
-    assert metrics_losses(batches, MOE_AGAIN) == whole[3:]
+    assert losses(batches, MOE_AGAIN) == whole[3:]
     for job in MOE_RESUMED:
-        torch.testing.assert_close(metrics_losses(batches, job), whole[3:], rtol=1e-5, atol=0)
+        torch.testing.assert_close(losses(batches, job), whole[3:], rtol=1e-5, atol=0)
