@@ -4,10 +4,12 @@ and a hung rank ending the job within parallel.timeout_s with a message instead 
 
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -28,6 +30,7 @@ def free_port() -> int:
 
 def env(**extra) -> dict:
     return {**os.environ, "MESHTRAIN_PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+            "PYTHONUNBUFFERED": "1",
             **{k: str(v) for k, v in extra.items()}}
 
 
@@ -113,7 +116,7 @@ def test_a_hung_rank_ends_the_job_within_the_timeout_with_a_message(tmp_path):
     try:
         for _ in range(600):  # wait until training runs
             line = proc.stdout.readline()
-            if line.startswith("step 2/"):
+            if line.split()[:2] == ["step", "2/100000"]:
                 break
         pid = pid_of_rank(1, run_id)
         assert pid is not None
@@ -127,3 +130,68 @@ def test_a_hung_rank_ends_the_job_within_the_timeout_with_a_message(tmp_path):
     assert proc.returncode != 0
     assert elapsed < timeout_s + 60, elapsed
     assert "[rank 0] a collective did not complete" in err and f"parallel.timeout_s={timeout_s}" in err, err[-3000:]
+
+
+def drain(stream, lines: list) -> threading.Thread:
+    """Collect a pipe's lines with their arrival time, so neither pipe fills while the test waits."""
+    def read():
+        for line in stream:
+            lines.append((time.monotonic(), line))
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
+
+
+HUNG_LAYOUTS = {  # name: (ranks, options); rank 1 shares rank 0's tp group in both
+    "tp2-dp2": (4, ["--parallel.tp", "2"]),
+    "pp2-dp2-tp2": (8, ["--parallel.pp", "2", "--parallel.tp", "2", "--model.num-hidden-layers", "4"]),
+}
+
+
+@pytest.mark.parametrize("name", HUNG_LAYOUTS)
+def test_a_hung_rank_in_a_multi_dim_layout_ends_the_job_within_the_timeout(tmp_path, name):
+    """Every group of the mesh (tp, dp, the flattened ones) carries parallel.timeout_s, not c10d's
+    30-minute default: a rank waiting on the stopped one (in its tp, dp or pipeline group) names the
+    timeout; which rank notices first depends on the layout."""
+    nproc, layout = HUNG_LAYOUTS[name]
+    timeout_s = 10
+    run_id = f"hang-{name}-{os.getpid()}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
+           "meshtrain", "train", *tiny_args(), *layout, "--train.micro-batch-size", "1", "--train.steps", "100000",
+           "--logging.progress", "off", "--parallel.timeout-s", str(timeout_s), "--train.run-dir", str(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(HANG_TEST_ID=run_id), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    out, err = [], []
+    readers = [drain(proc.stdout, out), drain(proc.stderr, err)]
+    message = re.compile(r"\[rank \d+\] a collective did not complete")
+    pid = None
+    try:
+        deadline = time.monotonic() + 300
+        while not any(line.split()[:2] == ["step", "2/100000"] for _, line in out):  # training runs
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(l for _, l in err)[-3000:]
+            time.sleep(0.2)
+        pid = pid_of_rank(1, run_id)
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)  # rank 1 hangs: alive, silent
+        stopped_at = time.monotonic()
+        while not any(message.search(line) for _, line in err) and time.monotonic() < stopped_at + timeout_s + 60:
+            time.sleep(0.2)
+        said_at = next((t for t, line in err if message.search(line)), None)
+    finally:
+        if pid is not None:
+            try:  # torchrun's SIGTERM, pending while it was stopped, now ends it
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:  # torchrun's SIGKILL got there first
+                pass
+        try:
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        for reader in readers:
+            reader.join(timeout=10)
+    text = "".join(line for _, line in err)
+    assert said_at is not None, f"no rank said {message.pattern!r} within {timeout_s + 60} s of the hang:\n{text[-3000:]}"
+    assert said_at - stopped_at < timeout_s + 30, said_at - stopped_at
+    assert f"parallel.timeout_s={timeout_s}" in text
+    assert proc.returncode != 0

@@ -44,6 +44,7 @@ def test_layout_line():
     (8, {"tp": 2, "dp_shard": 2}, {}, {}, r"does not equal the world size 8.*dp_shard=-1"),
     (2, {"tp": 0}, {}, {}, r"parallel.tp=0 must be >= 1"),
     (2, {"dp_shard": 0}, {}, {}, r"parallel.dp_shard=0 must be >= 1, or -1"),
+    (2, {"timeout_s": 0}, {}, {}, r"parallel.timeout_s=0 must be > 0.*Fix: set parallel.timeout_s"),
     (2, {"sp": True}, {}, {}, r"parallel.sp=true requires parallel.tp > 1"),
     (2, {"cp": 2}, {}, {"seq_len": 30}, r"train.seq_len=30 must be divisible by 2\*cp = 4"),
     (2, {"ep": 2}, {}, {}, r"expert parallelism needs an MoE model"),

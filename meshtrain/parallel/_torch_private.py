@@ -1,23 +1,40 @@
 """The private torch APIs meshtrain uses (besides the ring attention of ``_torch_cp``), in one place.
 
 torch 2.13 exposes flattening and unflattening of mesh dims only as ``DeviceMesh._flatten`` and
-``DeviceMesh._unflatten``, and names the placement FSDP gives a dim it shards after another mesh
-dim already did (experts over edp after ep) only as ``_StridedShard`` (checked against torch
-2.13.0). Everything else goes through this file, so a torch upgrade that makes them public (or
+``DeviceMesh._unflatten``, names the placement FSDP gives a dim it shards after another mesh
+dim already did (experts over edp after ep) only as ``_StridedShard``, and gloo's process-group
+options (the only way to give a DeviceMesh's groups a timeout) only as ``ProcessGroupGloo._Options``
+(checked against torch 2.13.0). Everything else goes through this file, so a torch upgrade that makes them public (or
 changes them) is a one-file change.
 """
 
 from __future__ import annotations
 
+import datetime
+
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: F401 (re-exported)
 
 
-def flatten(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
+def group_options(timeout: datetime.timedelta):
+    """Process-group options for the world's backend that give a new group ``timeout``. A DeviceMesh
+    given none creates its groups with c10d's default (30 min for gloo, 10 for NCCL), whatever the
+    world group's timeout: one hung rank would then hang the job that long."""
+    if dist.get_backend() == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+    else:
+        options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    return options
+
+
+def flatten(mesh: DeviceMesh, dims: tuple[str, ...], name: str, timeout: datetime.timedelta) -> DeviceMesh:
     """Register ``name`` on the root mesh as the flattening of ``dims``; ``mesh[name]`` then works."""
-    return mesh[dims]._flatten(name)
+    return mesh[dims]._flatten(name, backend_override=group_options(timeout))
 
 
-def unflatten(mesh: DeviceMesh, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+def unflatten(mesh: DeviceMesh, sizes: tuple[int, ...], names: tuple[str, ...],
+              timeout: datetime.timedelta) -> DeviceMesh:
     """Regroup a 1-D mesh into an N-D one with new dim names (the same ranks, another grid)."""
-    return mesh._unflatten(0, sizes, names)
+    return mesh._unflatten(0, sizes, names, backend_override={n: group_options(timeout) for n in names})

@@ -45,6 +45,8 @@ class Layout:
     pp_schedule: str
     stage_layers: tuple[int, ...]
     """Decoder layers in each of the pp*vpp pipeline stages, in stage order."""
+    timeout_s: int = 600
+    """How long every process group of the mesh waits in a collective (parallel.timeout_s)."""
 
     @property
     def dp(self) -> int:
@@ -86,6 +88,9 @@ def plan_layout(cfg: JobConfig, world_size: int) -> Layout:
     for name in ("pp", "vpp", "dp_replicate", "cp", "tp", "ep", "etp"):
         if getattr(p, name) < 1:
             _fail(f"parallel.{name}={getattr(p, name)} must be >= 1", f"set parallel.{name} to a positive size")
+    if p.timeout_s <= 0:
+        _fail(f"parallel.timeout_s={p.timeout_s} must be > 0 (seconds a collective waits for the slowest rank)",
+              "set parallel.timeout_s to e.g. 600")
     if p.dp_shard == 0 or p.dp_shard < -1:
         _fail(f"parallel.dp_shard={p.dp_shard} must be >= 1, or -1 for auto", "set parallel.dp_shard=-1")
 
@@ -183,7 +188,7 @@ def plan_layout(cfg: JobConfig, world_size: int) -> Layout:
               "shorten seq_len or raise max_position_embeddings")
 
     layout = Layout(world_size, p.pp, p.vpp, p.dp_replicate, dp_shard, p.cp, p.tp, p.sp, p.ep, p.etp, grad_accum,
-                    schedule, tuple(stage_layers))
+                    schedule, tuple(stage_layers), p.timeout_s)
     messages = layout_warnings(layout, p.gpus_per_node)
     if p.pp == 1 and p.pp_schedule != "auto":
         messages.append(f"parallel.pp_schedule={p.pp_schedule} has no effect with pp=1")

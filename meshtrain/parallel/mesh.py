@@ -13,12 +13,13 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshtrain.config import ParallelConfig
-from meshtrain.parallel._torch_private import flatten, unflatten
+from meshtrain.parallel._torch_private import flatten, group_options, unflatten
 from meshtrain.parallel.layout import DENSE_DIMS, Layout, describe_sizes, layout_extras, resolve_schedule
 
 
@@ -76,20 +77,24 @@ EXPERT_DIMS = ("edp", "ep", "etp")
 
 
 def build_mesh(layout: Layout, device_type: str) -> ParallelMesh:
-    """Create the process groups of the dense mesh and its flattened submeshes."""
+    """Create the process groups of the dense mesh and its flattened submeshes, each with the
+    layout's collective timeout (parallel.timeout_s)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    timeout = datetime.timedelta(seconds=layout.timeout_s)
     sizes = tuple(getattr(layout, d) for d in DENSE_DIMS)
-    world = init_device_mesh(device_type, sizes, mesh_dim_names=DENSE_DIMS)
-    dp_cp = flatten(world, ("dp_replicate", "dp_shard", "cp"), "dp_cp")
-    dp_shard_cp = flatten(world, ("dp_shard", "cp"), "dp_shard_cp")
+    world = init_device_mesh(device_type, sizes, mesh_dim_names=DENSE_DIMS,
+                             backend_override={d: group_options(timeout) for d in DENSE_DIMS})
+    dp_cp = flatten(world, ("dp_replicate", "dp_shard", "cp"), "dp_cp", timeout)
+    dp_shard_cp = flatten(world, ("dp_shard", "cp"), "dp_shard_cp", timeout)
     if layout.dp_replicate > 1:
-        fsdp = unflatten(dp_cp, (layout.dp_replicate, layout.dp_shard * layout.cp), ("dp_replicate", "dp_shard_cp"))
+        fsdp = unflatten(dp_cp, (layout.dp_replicate, layout.dp_shard * layout.cp), ("dp_replicate", "dp_shard_cp"),
+                         timeout)
     else:
         fsdp = dp_shard_cp
-    mesh = ParallelMesh(world, flatten(world, ("dp_replicate", "dp_shard"), "dp"), dp_shard_cp, dp_cp, fsdp,
-                        flatten(world, ("cp", "tp"), "cp_tp"),
-                        flatten(world, ("dp_replicate", "dp_shard", "cp", "tp"), "stage"))
+    mesh = ParallelMesh(world, flatten(world, ("dp_replicate", "dp_shard"), "dp", timeout), dp_shard_cp, dp_cp, fsdp,
+                        flatten(world, ("cp", "tp"), "cp_tp", timeout),
+                        flatten(world, ("dp_replicate", "dp_shard", "cp", "tp"), "stage", timeout))
     if layout.ep * layout.etp > 1:
         mesh = dataclasses.replace(mesh, experts=build_expert_mesh(mesh, layout))
     return mesh
@@ -101,4 +106,5 @@ def build_expert_mesh(mesh: ParallelMesh, layout: Layout) -> DeviceMesh:
     etp is innermost and ep next, as tp and cp are in the dense grid, so with ep*etp == tp*cp the
     experts of a group sit on the ranks that share the dense tp x cp work.
     """
-    return unflatten(mesh.stage, (layout.edp, layout.ep, layout.etp), ("edp", "ep", "etp"))
+    return unflatten(mesh.stage, (layout.edp, layout.ep, layout.etp), ("edp", "ep", "etp"),
+                     datetime.timedelta(seconds=layout.timeout_s))
