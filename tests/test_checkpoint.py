@@ -2,6 +2,7 @@
 async save, and mismatched or damaged checkpoints ending in a CheckpointError."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -88,3 +89,27 @@ def test_a_damaged_checkpoint_is_a_clear_error(tmp_path):
         run(job(tmp_path / "again", resume=str(step)))
     with pytest.raises(CheckpointError, match="no such checkpoint directory"):
         run(job(tmp_path / "again", resume=str(tmp_path / "nope")))
+
+
+def test_an_async_checkpoint_is_published_once_written_not_at_the_next_save(tmp_path, monkeypatch):
+    """A crash between two saves (here at step 4, interval 3) keeps the step-3 checkpoint whose
+    background write had finished: resume starts from it, not from step 0."""
+    from meshtrain.trainer import Trainer
+
+    ckpts = tmp_path / "checkpoints"
+    real_step = Trainer.train_step
+
+    def crash_at_step_5(trainer):
+        if trainer.step == 4:
+            deadline = time.monotonic() + 30  # the write is tiny; this only waits out a loaded machine
+            while not complete_checkpoints(ckpts) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            raise KeyboardInterrupt("kill -9 at step 5")
+        return real_step(trainer)
+
+    monkeypatch.setattr(Trainer, "train_step", crash_at_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        run(job(tmp_path, interval=3, async_save=True))
+    assert [s for s, _ in complete_checkpoints(ckpts)] == [3]
+    monkeypatch.undo()
+    assert len(run(job(tmp_path, interval=3, async_save=True))) == 3  # steps 4..6

@@ -15,11 +15,12 @@ training draws random numbers today, so a resharded resume loses nothing by it.
 
 from __future__ import annotations
 
-import dataclasses
+import datetime
 import json
 import pathlib
 import re
 import shutil
+import threading
 from concurrent.futures import Future
 
 import torch
@@ -119,10 +120,13 @@ class Checkpointer:
         self.cfg, self.root, self.trainer, self.layout = cfg, root, trainer, layout
         self.is_main = not dist.is_initialized() or dist.get_rank() == 0
         self.hf_origin = hf_origin_of(trainer.cfg.model)
-        self.pending: tuple[Future, pathlib.Path, pathlib.Path] | None = None
+        self.pending: tuple[Future, pathlib.Path, pathlib.Path, dict] | None = None
+        self._publish_lock = threading.Lock()
         # Async saves run collectives from a background thread: a group of their own (gloo, since
-        # the staged copy lives in CPU memory) keeps them apart from training's.
-        self.async_group = dist.new_group(backend="gloo") if cfg.async_save and dist.is_initialized() else None
+        # the staged copy lives in CPU memory) keeps them apart from training's, with the job's timeout.
+        timeout = datetime.timedelta(seconds=trainer.cfg.parallel.timeout_s)
+        self.async_group = (dist.new_group(backend="gloo", timeout=timeout)
+                            if cfg.async_save and dist.is_initialized() else None)
 
     # --- save ------------------------------------------------------------------------------
     def _state(self, with_optimizer: bool) -> dict:
@@ -158,27 +162,45 @@ class Checkpointer:
         if self.cfg.async_save:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.async_group)
             self.pending = (future, tmp, final, meta)
+            # Publish the moment the write completes, not at the next save: a crash in between
+            # would otherwise lose a checkpoint whose data is all on disk.
+            future.add_done_callback(lambda done: self._publish_when_written(done, tmp, final, meta))
         else:
             dcp.save(state, checkpoint_id=str(tmp))
             self._publish(tmp, final, meta)
         return final
 
     def wait(self) -> None:
+        """Wait for the save in flight; raise its error, or publish it if the background publish failed."""
         if self.pending is not None:
             future, tmp, final, meta = self.pending
             self.pending = None
             future.result()  # on rank 0 this returns after DCP's metadata is written: all ranks are done
             self._publish(tmp, final, meta)
 
+    def _publish_when_written(self, future: Future, tmp: pathlib.Path, final: pathlib.Path, meta: dict) -> None:
+        """Runs on DCP's background thread as the async write ends. Errors are left for ``wait``,
+        which raises the write's error or retries the publish on the training thread."""
+        if future.exception() is None:
+            try:
+                self._publish(tmp, final, meta)
+            except OSError:
+                pass
+
     def _publish(self, tmp: pathlib.Path, final: pathlib.Path, meta: dict) -> None:
+        """Rank 0 makes ``tmp`` the checkpoint ``final`` (once: the background thread and ``wait``
+        may both get here)."""
         if not self.is_main:
             return
-        (tmp / META).write_text(json.dumps(meta, indent=1))
-        shutil.rmtree(final, ignore_errors=True)  # an older save of the same step
-        tmp.rename(final)
-        if self.cfg.keep_last > 0:
-            for _, old in complete_checkpoints(self.root)[:-self.cfg.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+        with self._publish_lock:
+            if not tmp.exists() and (final / META).is_file():
+                return  # published already
+            (tmp / META).write_text(json.dumps(meta, indent=1))
+            shutil.rmtree(final, ignore_errors=True)  # an older save of the same step
+            tmp.rename(final)
+            if self.cfg.keep_last > 0:
+                for _, old in complete_checkpoints(self.root)[:-self.cfg.keep_last]:
+                    shutil.rmtree(old, ignore_errors=True)
 
     # --- restore ---------------------------------------------------------------------------
     def resume_path(self) -> pathlib.Path | None:
