@@ -31,3 +31,10 @@ class CollectiveError(TrainingError):
 
 class CheckpointError(MeshtrainError):
     """A checkpoint or model directory is missing, incomplete, corrupted or does not match the run."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (a full disk, a lost permission). Every rank raises it
+    together and says which rank failed, so none of them waits on the others."""
+
+    every_rank = True

@@ -32,8 +32,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from meshtrain.config import CheckpointConfig, ModelConfig
-from meshtrain.errors import CheckpointError
+from meshtrain.errors import CheckpointError, CheckpointWriteError
 from meshtrain.hf.adapter import architecture_fields
+from meshtrain.run_dir import describe_write_error
 
 META = "meshtrain.json"
 INCOMPLETE = ".incomplete"
@@ -99,6 +100,21 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _write_failure(error: BaseException, path: pathlib.Path) -> str:
+    """Which ranks could not write what: DCP reports every rank's failure, an OSError is this rank's."""
+    if isinstance(error, CheckpointException):
+        failures = [(rank, exc) for rank, (exc, _) in sorted(error.failures.items())]
+    else:
+        failures = [(dist.get_rank() if dist.is_initialized() else 0, error)]
+    by_cause: dict[str, list[int]] = {}
+    for rank, exc in failures:
+        cause = (describe_write_error(exc, "checkpoint", path) if isinstance(exc, OSError)
+                 else f"failed writing checkpoint {path}: {type(exc).__name__}: {exc}")
+        by_cause.setdefault(cause, []).append(rank)
+    return "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} {cause}"
+                     for cause, ranks in by_cause.items())
+
+
 def _load(state: dict, parts: list[nn.Module], path: pathlib.Path) -> None:
     """dcp.load into ``state`` (which holds the parts' own tensors), then hand it to the parts."""
     try:
@@ -154,10 +170,7 @@ class Checkpointer:
         self.wait()  # one save in flight at a time
         final = self.root / step_dir_name(step)
         tmp = final.with_name(final.name + INCOMPLETE)
-        if self.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        _barrier()
+        self._on_every_rank(lambda: self._make_tmp(tmp), tmp, final)
         state, meta = self._state(with_optimizer=True), self._meta(step)
         if self.cfg.async_save:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.async_group)
@@ -166,17 +179,43 @@ class Checkpointer:
             # would otherwise lose a checkpoint whose data is all on disk.
             future.add_done_callback(lambda done: self._publish_when_written(done, tmp, final, meta))
         else:
-            dcp.save(state, checkpoint_id=str(tmp))
-            self._publish(tmp, final, meta)
+            self._on_every_rank(lambda: (dcp.save(state, checkpoint_id=str(tmp)), self._publish(tmp, final, meta)),
+                                tmp, final)
         return final
+
+    def _make_tmp(self, tmp: pathlib.Path) -> None:
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+
+    def _on_every_rank(self, action, tmp: pathlib.Path, final: pathlib.Path) -> None:
+        """Run one part of a save on every rank, then agree on its outcome: if any rank failed (a full
+        disk, a lost permission), every rank raises together, naming that rank, instead of the
+        others hanging in their next collective. Nothing is published then; the partial
+        ``.incomplete`` directory is removed to give the space back."""
+        failure = None
+        try:
+            action()
+        except (OSError, CheckpointException) as e:
+            failure = _write_failure(e, tmp)
+        failures = [failure]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            failures = [None] * dist.get_world_size()
+            dist.all_gather_object(failures, failure)
+        first = next((f for f in failures if f), None)
+        if first is not None:
+            if self.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointWriteError(f"checkpoint {final.name} was not saved: {first}. "
+                                       "The checkpoints saved before it are untouched")
 
     def wait(self) -> None:
         """Wait for the save in flight; raise its error, or publish it if the background publish failed."""
         if self.pending is not None:
             future, tmp, final, meta = self.pending
             self.pending = None
-            future.result()  # on rank 0 this returns after DCP's metadata is written: all ranks are done
-            self._publish(tmp, final, meta)
+            # On rank 0 result() returns after DCP's metadata is written: all ranks are done.
+            self._on_every_rank(lambda: (future.result(), self._publish(tmp, final, meta)), tmp, final)
 
     def _publish_when_written(self, future: Future, tmp: pathlib.Path, final: pathlib.Path, meta: dict) -> None:
         """Runs on DCP's background thread as the async write ends. Errors are left for ``wait``,

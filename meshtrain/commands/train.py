@@ -21,30 +21,37 @@ from meshtrain.parallel.layout import Layout, plan_layout
 from meshtrain.parallel.mesh import build_mesh
 from meshtrain.parallel.runtime import (Runtime, collective_error, init_distributed, is_collective_failure, shutdown,
                                         world_size_from_env)
+from meshtrain.run_dir import check_writable, describe_write_error, run_dir_lock
 from meshtrain.trainer import Trainer
 
 
 def prepare_run_dir(cfg: JobConfig, runtime: Runtime) -> None:
     if runtime.is_main:
         run_dir = pathlib.Path(cfg.train.run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+        except OSError as e:
+            raise ConfigError(f"train.run_dir: {describe_write_error(e, 'the run config')}") from None
 
 
 def resolve(cfg: JobConfig) -> JobConfig:
     """The config as the job will run it: with model.init_from_hf, the architecture of its config.json.
     Checks what can fail late (the export target) before any work starts."""
+    if cfg.model.init_from_hf is not None:
+        cfg = dataclasses.replace(cfg, model=resolve_init_from_hf(cfg.model))
     c = cfg.checkpoint
     for name, value, ok in [("interval", c.interval, c.interval >= 0), ("keep_last", c.keep_last, c.keep_last >= 0),
                             ("hf_max_shard_gb", c.hf_max_shard_gb, c.hf_max_shard_gb > 0)]:
         if not ok:
             raise ConfigError(f"checkpoint.{name}={value} must be {'> 0' if name == 'hf_max_shard_gb' else '>= 0'}")
-    if cfg.model.init_from_hf is not None:
-        cfg = dataclasses.replace(cfg, model=resolve_init_from_hf(cfg.model))
     if cfg.checkpoint.export_hf:
         check_export_target(cfg.checkpoint.export_hf)
     if c.resume not in ("auto", "never"):
         check_architecture(read_meta(pathlib.Path(c.resume)), cfg.model, pathlib.Path(c.resume))
+    check_writable(cfg.train.run_dir, "train.run_dir")
+    if c.dir:
+        check_writable(c.dir, "checkpoint.dir")
     return cfg
 
 
@@ -78,13 +85,15 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
     """Train with ``cfg`` in this process (one rank of a torchrun job, or a world of one)."""
     cfg = resolve(cfg)
     layout = plan(cfg)
-    runtime = init_distributed(cfg.parallel.timeout_s)
-    try:
-        history = train(cfg, layout, runtime)
-    except BaseException as e:
-        shutdown()
-        if isinstance(e, RuntimeError) and is_collective_failure(e):
-            raise collective_error(e, cfg.parallel.timeout_s) from None
-        raise
-    shutdown(synchronize=True)
+    # Rank 0 holds the run dir before any group exists: a refused job stops before its ranks meet.
+    with run_dir_lock(cfg.train.run_dir, enabled=int(os.environ.get("RANK", "0")) == 0):
+        runtime = init_distributed(cfg.parallel.timeout_s)
+        try:
+            history = train(cfg, layout, runtime)
+        except BaseException as e:
+            shutdown()
+            if isinstance(e, RuntimeError) and is_collective_failure(e):
+                raise collective_error(e, cfg.parallel.timeout_s) from None
+            raise
+        shutdown(synchronize=True)
     return history

@@ -38,7 +38,29 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def die_with_launcher() -> None:
+    """Make this rank end when the process that started it does (Linux's parent-death signal).
+
+    A launcher killed with SIGKILL (or a lost login shell) cannot stop its ranks; without this they
+    would train on as orphans, and their checkpoint clean-up would race a rerun in the same run dir.
+    Only for ranks a launcher started (torchrun and srun set LOCAL_RANK / SLURM_PROCID): a
+    ``python -m meshtrain`` from a shell is its own job.
+    """
+    if not sys.platform.startswith("linux") or not ({"LOCAL_RANK", "SLURM_PROCID"} & os.environ.keys()):
+        return
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        return  # not fatal: the run-dir lock still keeps a rerun away from an orphan
+    if os.getppid() == 1:  # the launcher died before the signal was armed
+        os._exit(1)
+
+
 def init_distributed(timeout_s: int) -> Runtime:
+    die_with_launcher()
     device_type = device_type_from_env()
     rank, world, local_rank = (int(os.environ.get(k, d)) for k, d in
                                (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")))

@@ -16,6 +16,8 @@ import sys
 import torch
 
 from meshtrain.config import LoggingConfig, ModelConfig
+from meshtrain.errors import TrainingError
+from meshtrain.run_dir import describe_write_error
 
 # Dense bf16 peak TFLOP/s by CUDA device name fragment.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "B200": 2250.0}
@@ -56,7 +58,10 @@ class MetricsLogger:
         if not enabled:
             return
         if cfg.jsonl:
-            self._jsonl = (run_dir / "metrics.jsonl").open("a")
+            try:
+                self._jsonl = (run_dir / "metrics.jsonl").open("a")
+            except OSError as e:
+                raise TrainingError(describe_write_error(e, "metrics")) from None
         if cfg.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -76,8 +81,11 @@ class MetricsLogger:
         if not self.enabled:
             return
         if self._jsonl:
-            self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
-            self._jsonl.flush()
+            try:
+                self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+                self._jsonl.flush()
+            except OSError as e:
+                raise TrainingError(describe_write_error(e, "metrics", self._jsonl.name)) from None
         if self._tb:
             for k, v in metrics.items():
                 self._tb.add_scalar(k, v, step)

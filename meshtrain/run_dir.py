@@ -1,0 +1,93 @@
+"""The run directory: checked writable before any work, and held by one job at a time.
+
+A job writes its config, metrics and checkpoints under ``train.run_dir`` (checkpoints under
+``checkpoint.dir`` when set). Both are checked before a process group exists, so a read-only or
+missing-permission path is one message from every rank, in the dry run too, instead of a traceback
+from the first write. While a job trains, rank 0 holds an exclusive lock on the run dir: a second
+job there would resume from, and its keep-last clean-up delete, the first one's checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import fcntl
+import json
+import os
+import pathlib
+import socket
+import sys
+from typing import Iterator
+
+from meshtrain.errors import ConfigError
+
+LOCK_FILE = ".meshtrain.lock"
+
+
+def check_writable(path: str | pathlib.Path, field: str) -> None:
+    """``path`` (a directory, created later if missing) can be written: it, or the nearest existing
+    directory above it, must be a writable directory on a writable file system."""
+    path = pathlib.Path(path).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"{field}={path}: {existing} is a file, not a directory. Fix: point {field} elsewhere")
+    if _read_only_file_system(existing):
+        raise ConfigError(f"{field}={path}: {existing} is on a read-only file system. "
+                          f"Fix: point {field} at a writable file system")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{field}={path}: {existing} is not writable by this user. "
+                          f"Fix: make it writable or point {field} at a writable directory")
+
+
+def _read_only_file_system(directory: pathlib.Path) -> bool:
+    # Checked first: it is the cause to name, whoever the user is.
+    return bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+
+
+def describe_write_error(error: OSError, what: str, path: str | pathlib.Path | None = None) -> str:
+    """One line for a failed write, with the path (the error's, else ``path``) and a fix for the usual causes."""
+    path = error.filename or path or "?"
+    reason = os.strerror(error.errno) if error.errno else str(error)
+    fix = {errno.ENOSPC: "free space there or point it at a larger disk",
+           errno.EDQUOT: "free space within your quota there or point it elsewhere",
+           errno.EROFS: "point it at a writable file system",
+           errno.EACCES: "make the directory writable", errno.EPERM: "make the directory writable"}
+    return f"cannot write {what} {path}: {reason}. Fix: {fix.get(error.errno, 'check the path and the disk')}"
+
+
+@contextlib.contextmanager
+def run_dir_lock(run_dir: str | pathlib.Path, enabled: bool = True) -> Iterator[None]:
+    """Hold ``run_dir`` for this job (rank 0 only: ``enabled``). The lock is the kernel's (flock), so
+    it ends with the process, even one killed with SIGKILL: no stale lock to clean up."""
+    if not enabled:
+        yield
+        return
+    run_dir = pathlib.Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / LOCK_FILE, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise ConfigError(f"train.run_dir={run_dir} is in use by another meshtrain job ({_holder(f.read())}); "
+                              "two jobs in one run dir overwrite and delete each other's checkpoints. Fix: wait "
+                              "for that job or stop it, or give this one another train.run_dir") from None
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                            "started": datetime.datetime.now().isoformat(timespec="seconds"),
+                            "command": " ".join(sys.argv)}) + "\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _holder(text: str) -> str:
+    try:
+        h = json.loads(text)
+        return f"pid {h['pid']} on {h['host']}, started {h['started']}: {h['command']}"
+    except (ValueError, KeyError, TypeError):
+        return "its details are not written yet"

@@ -1,0 +1,151 @@
+"""Faults a user's machine throws at a job, tried for real: a killed launcher, a second job in the
+same run dir, a read-only file system, a full disk. Each ends with a message naming the cause, and
+nothing that looks like a finished checkpoint is left behind."""
+
+import contextlib
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import ROOT, tiny_args
+from tests.test_launch import drain, env, pid_of_rank
+
+pytestmark = pytest.mark.slow
+
+TRAIN = [*tiny_args(), "--logging.progress", "off"]
+
+
+def torchrun_cmd(nproc: int, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "meshtrain", "train", *TRAIN, *args]
+
+
+def raw_traceback(stderr: str) -> bool:
+    """A traceback through meshtrain's code (torchrun's own report of a failed rank is not one)."""
+    return f'File "{ROOT / "meshtrain"}' in stderr
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_for_step(proc: subprocess.Popen, out: list, step: int, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(line.split()[:1] == ["step"] and line.split()[1].startswith(f"{step}/") for _, line in out):
+        assert proc.poll() is None and time.monotonic() < deadline, f"the job ended or stalled (rc {proc.returncode})"
+        time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def background_job(cmd: list[str], run_id: str):
+    """The job running, its output collected; killed with its ranks at the end whatever happened."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(HANG_TEST_ID=run_id), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    out, err = [], []
+    readers = [drain(proc.stdout, out), drain(proc.stderr, err)]
+    try:
+        yield proc, out, err
+    finally:
+        for rank in range(8):
+            if (pid := pid_of_rank(rank, run_id)) is not None:
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=60)
+        for reader in readers:
+            reader.join(timeout=10)
+
+
+def test_ranks_die_with_a_killed_launcher(tmp_path):
+    run_id = f"orphan-{os.getpid()}"
+    with background_job(torchrun_cmd(2, "--train.steps", "100000", "--train.run-dir", str(tmp_path)), run_id) as (
+            proc, out, err):
+        wait_for_step(proc, out, 2)
+        ranks = [pid_of_rank(r, run_id) for r in (0, 1)]
+        assert None not in ranks
+        proc.kill()  # SIGKILL: torchrun cannot pass anything on to its ranks
+        deadline = time.monotonic() + 20
+        while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        survivors = [pid for pid in ranks if alive(pid)]
+    assert not survivors, f"ranks {survivors} still ran 20 s after their launcher was killed"
+
+
+def test_a_second_job_in_a_running_jobs_run_dir_is_refused_naming_the_holder(tmp_path):
+    run_dir = tmp_path / "run"
+    first_cmd = [sys.executable, "-m", "meshtrain", "train", *TRAIN, "--train.steps", "100000",
+                 "--train.run-dir", str(run_dir)]
+    second = [sys.executable, "-m", "meshtrain", "train", *TRAIN, "--train.steps", "2", "--train.run-dir", str(run_dir)]
+    with background_job(first_cmd, f"lock-{os.getpid()}") as (proc, out, err):
+        wait_for_step(proc, out, 2)
+        refused = subprocess.run(second, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+        assert proc.poll() is None, "the first job must not be disturbed"
+        proc.kill()
+        proc.wait(timeout=60)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert f"train.run_dir={run_dir} is in use by another meshtrain job (pid {proc.pid} on" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    # The lock ends with its holder, even one killed with SIGKILL: no stale lock to clear by hand.
+    after = subprocess.run(second, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert after.returncode == 0, after.stderr[-3000:]
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_path):
+    """mount_tmpfs(name, size_kib, read_only): a small file system of its own under tmp_path."""
+    mounted = []
+
+    def mount(name: str, size_kib: int = 1024, read_only: bool = False) -> pathlib.Path:
+        point = tmp_path / name
+        point.mkdir()
+        options = f"size={size_kib}k" + (",ro" if read_only else "")
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)], capture_output=True)
+        if result.returncode != 0:
+            pytest.skip(f"making a read-only or full file system needs mount (root): {result.stderr.decode()}")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in mounted:
+        subprocess.run(["umount", "-l", str(point)], check=False)
+
+
+@pytest.mark.parametrize("field", ["train.run_dir", "checkpoint.dir"])
+def test_a_read_only_directory_is_named_by_the_dry_run_and_by_the_ranks(mount_tmpfs, tmp_path, field):
+    read_only = mount_tmpfs("ro", read_only=True)
+    target = read_only / "sub"
+    option = f"--{field.replace('_', '-')}"
+    dirs = [option, str(target)] + (["--train.run-dir", str(tmp_path / "run")] if field == "checkpoint.dir" else [])
+    dry = subprocess.run([sys.executable, "-m", "meshtrain", "train", *TRAIN, *dirs, "--train.dry-run", "True"],
+                         cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert dry.returncode == 2 and f"{field}={target}: {read_only} is on a read-only file system" in dry.stderr, \
+        dry.stderr[-3000:]
+    job = subprocess.run(torchrun_cmd(2, "--train.steps", "2", *dirs), cwd=ROOT, env=env(), capture_output=True,
+                         text=True, timeout=300)
+    assert job.returncode != 0
+    assert f"{field}={target}: {read_only} is on a read-only file system" in job.stderr, job.stderr[-3000:]
+    assert not raw_traceback(job.stderr) and "did not complete" not in job.stderr, job.stderr[-3000:]
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_full_disk_during_a_checkpoint_is_named_on_every_rank_and_leaves_no_checkpoint(mount_tmpfs, tmp_path,
+                                                                                          async_save):
+    disk = mount_tmpfs("small", size_kib=64)
+    job = subprocess.run(torchrun_cmd(2, "--train.steps", "4", "--train.run-dir", str(tmp_path / "run"),
+                                      "--checkpoint.dir", str(disk), "--checkpoint.interval", "2",
+                                      "--checkpoint.async-save", str(async_save)),
+                         cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert job.returncode != 0
+    for rank in (0, 1):
+        assert f"[rank {rank}] checkpoint step-000002 was not saved: rank" in job.stderr, job.stderr[-3000:]
+    assert "No space left on device" in job.stderr and not raw_traceback(job.stderr), job.stderr[-3000:]
+    assert not any((p / "meshtrain.json").exists() for p in disk.iterdir()), list(disk.iterdir())
