@@ -1,8 +1,8 @@
 """The typed configuration: the one definition of every option.
 
 Dataclasses below are the schema. tyro builds the command line from them, YAML files fill them,
-and the precedence is defaults < YAML < command line. Unknown YAML keys and wrongly typed values
-are errors naming the key. Megatron-Bridge spellings of the parallel sizes are accepted in YAML.
+and the precedence is defaults < YAML < command line. Unknown or repeated YAML keys and wrongly
+typed values are errors naming the key. Megatron-Bridge spellings of the parallel sizes are accepted in YAML.
 """
 
 from __future__ import annotations
@@ -361,14 +361,29 @@ def from_dict(cls: type, data: dict) -> Any:
     return _build(cls, data, "")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load, except that a key given twice in one mapping is an error, not "the last one wins"."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if (key := self.construct_object(key_node, deep=deep)) in seen:
+                raise ConfigError(f"line {key_node.start_mark.line + 1}: key {key!r} is given twice in one "
+                                  "mapping. Fix: keep one of them")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_yaml(path: str, cls: type = JobConfig) -> Any:
     p = pathlib.Path(path)
     if not p.is_file():
         raise ConfigError(f"--config: no such file {path!r}; configs/ holds the bundled examples")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.load(p.read_text(), Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"--config {path}: not valid YAML: {e}") from None
+    except ConfigError as e:
+        raise ConfigError(f"--config {path}: {e}") from None
     try:
         return from_dict(cls, data)
     except ConfigError as e:

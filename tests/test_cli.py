@@ -129,6 +129,42 @@ def test_user_mistakes_are_one_clear_message(args, env, message, tmp_path, monke
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("option,value,message", [
+    ("train.global-batch-size", "-8", "train.global_batch_size=-8 must be >= 1"),
+    ("train.steps", "-1", "train.steps=-1 must be >= 1"),
+    ("lr-schedule.warmup-steps", "-1", "lr_schedule.warmup_steps=-1 must be >= 0"),
+    ("model.num-hidden-layers", "0", "model.num_hidden_layers=0 must be >= 1"),
+    ("train.seq-len", "0", "train.seq_len=0 must be >= 1"),
+    ("train.seq-len", "-4", "train.seq_len=-4 must be >= 1"),
+    ("train.micro-batch-size", "0", "train.micro_batch_size=0 must be >= 1"),
+    ("model.num-attention-heads", "0", "model.num_attention_heads=0 must be >= 1"),
+    ("model.hidden-size", "130", "model.hidden_size=130 must be divisible by model.num_attention_heads=4"),
+    ("optimizer.lr", "-0.001", "optimizer.lr=-0.001 must be >= 0"),
+    ("data.num-workers", "-1", "data.num_workers=-1 must be >= 0"),
+    ("parallel.timeout-s", "0", "parallel.timeout_s=0 must be > 0"),
+    ("logging.log-every", "0", "logging.log_every=0 must be >= 1"),
+    ("model.vocab-size", "0", "model.vocab_size=0 must be >= 1"),
+    ("optimizer.beta2", "1.5", "optimizer.beta2=1.5 must be in [0, 1)"),
+])
+def test_every_field_out_of_range_is_refused_by_the_dry_run(option, value, message, tmp_path, capsys):
+    from meshtrain.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--train.run-dir", str(tmp_path), f"--{option}", value, "--train.dry-run", "True"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and "Fix:" in err, err
+
+
+def test_a_yaml_key_given_twice_is_an_error_not_last_one_wins(tmp_path):
+    from meshtrain.config import load_yaml
+    from meshtrain.errors import ConfigError
+
+    cfg = tmp_path / "twice.yaml"
+    cfg.write_text("train:\n  steps: 3\nmodel:\n  hidden_size: 64\ntrain:\n  seq_len: 16\n")
+    with pytest.raises(ConfigError, match="line 5: key 'train' is given twice"):
+        load_yaml(str(cfg))
+
+
 def test_unknown_yaml_key_is_one_clear_message(tmp_path):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text("parallel:\n  tensor_parallel: 2\n")

@@ -23,6 +23,7 @@ from meshtrain.parallel.runtime import (Runtime, collective_error, init_distribu
                                         world_size_from_env)
 from meshtrain.run_dir import check_writable, describe_write_error, run_dir_lock
 from meshtrain.trainer import Trainer
+from meshtrain.validation import check_ranges
 
 
 def prepare_run_dir(cfg: JobConfig, runtime: Runtime) -> None:
@@ -40,11 +41,8 @@ def resolve(cfg: JobConfig) -> JobConfig:
     Checks what can fail late (the export target) before any work starts."""
     if cfg.model.init_from_hf is not None:
         cfg = dataclasses.replace(cfg, model=resolve_init_from_hf(cfg.model))
+    check_ranges(cfg)
     c = cfg.checkpoint
-    for name, value, ok in [("interval", c.interval, c.interval >= 0), ("keep_last", c.keep_last, c.keep_last >= 0),
-                            ("hf_max_shard_gb", c.hf_max_shard_gb, c.hf_max_shard_gb > 0)]:
-        if not ok:
-            raise ConfigError(f"checkpoint.{name}={value} must be {'> 0' if name == 'hf_max_shard_gb' else '>= 0'}")
     if cfg.checkpoint.export_hf:
         check_export_target(cfg.checkpoint.export_hf)
     if c.resume not in ("auto", "never"):
