@@ -26,7 +26,7 @@ from meshtrain.data.text import tokenize_corpus
 from meshtrain.data.tokenizer import build_tokenizer
 from meshtrain.errors import ConfigError, TrainingError
 from meshtrain.hf.adapter import read_hf_config
-from meshtrain.hf.io import export_dtypes, load_hf_weights, save_hf, tokenizer_files
+from meshtrain.hf.io import check_finite, export_dtypes, load_hf_weights, save_hf, tokenizer_files
 from meshtrain.models.moe import MoE
 from meshtrain.models.transformer import count_active_parameters, count_parameters
 from meshtrain.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
@@ -59,6 +59,7 @@ class Trainer:
         self.schedulers = [build_lr_scheduler(opt, cfg.train.steps, cfg.lr_schedule) for opt in self.optimizers]
         if cfg.model.init_from_hf is not None:
             load_hf_weights(self.parts, cfg.model.init_from_hf)
+            check_finite(self.parts, cfg.model.init_from_hf)
         self.checkpointer, self.resumed_from = self._restore_checkpoint()
         self.moe_layers, self.tp_summed_params = self._setup_moe()
         self.loss_parallel = mesh.size("tp") > 1 and cfg.parallel.loss_parallel
@@ -72,8 +73,15 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         tokenizer = build_tokenizer(cfg.data)
         if tokenizer.vocab_size > cfg.model.vocab_size:
-            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-                              f"vocabulary ({tokenizer.vocab_size}). Fix: model.vocab_size >= {tokenizer.vocab_size}")
+            if cfg.model.init_from_hf is None:
+                fix = f"model.vocab_size >= {tokenizer.vocab_size}"
+            else:  # the vocabulary is the checkpoint's: the tokenizer has to fit it
+                own = tokenizer_files(cfg.model.init_from_hf).get("tokenizer.json")
+                fix = (f"use the model's own tokenizer, data.tokenizer={own}" if own else
+                       f"use the tokenizer {cfg.model.init_from_hf} was trained with (a tokenizer.json of at most "
+                       f"{cfg.model.vocab_size} tokens)")
+            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the vocabulary of "
+                              f"data.tokenizer={cfg.data.tokenizer} ({tokenizer.vocab_size}). Fix: {fix}")
         dataset = PackedDataset(tokenize_corpus(cfg.data, tokenizer), t.seq_len)
         dp = self.mesh["dp"]
         return BatchStream(dataset, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
@@ -234,9 +242,8 @@ class Trainer:
 
     def export_hf(self, directory: str) -> pathlib.Path:
         cfg, source = self.cfg, self.cfg.model.init_from_hf
-        extra = tokenizer_files(source)
-        if not extra and cfg.data.tokenizer.endswith(".json"):
-            extra = [pathlib.Path(cfg.data.tokenizer)]
+        # The tokenizer the model was trained with goes along; with the byte tokenizer, the source's.
+        extra = tokenizer_files(source if cfg.data.tokenizer == "byte" else cfg.data.tokenizer)
         return save_hf(self.parts, directory, export_dtypes(cfg.model, cfg.checkpoint.hf_dtype),
                        max_shard_bytes=int(cfg.checkpoint.hf_max_shard_gb * 1e9),
                        base_config=read_hf_config(source) if source else None, extra_files=extra)

@@ -276,7 +276,7 @@ class Checkpointer:
 
 
 def save_weights(parts: list[nn.Module], model: ModelConfig, directory: pathlib.Path, *, source: str,
-                 hf_origin: dict | None = None, extra_files: list[pathlib.Path] = ()) -> None:
+                 hf_origin: dict | None = None, extra_files: dict[str, pathlib.Path] | None = None) -> None:
     """A weights-only checkpoint (what ``meshtrain convert --to dcp`` writes), atomically.
     ``hf_origin`` (``hf_origin_of``) and ``extra_files`` (tokenizer files) let a later export give
     back the Hugging Face directory the weights came from."""
@@ -291,8 +291,8 @@ def save_weights(parts: list[nn.Module], model: ModelConfig, directory: pathlib.
         meta = {"format": FORMAT_VERSION, "kind": "weights", "step": 0, "model": architecture_fields(model),
                 "source": source, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                 **(hf_origin or {})}
-        for f in extra_files:
-            shutil.copy2(f, tmp / f.name)
+        for name, f in (extra_files or {}).items():
+            shutil.copy2(f, tmp / name)
         (tmp / META).write_text(json.dumps(meta, indent=1))
         if directory.exists():
             directory.rmdir()  # empty: the caller checked

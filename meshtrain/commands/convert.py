@@ -3,14 +3,16 @@
 The model is built on the meta device and FSDP-sharded over every rank, so each rank reads and
 writes 1/world of the weights and no rank holds the whole model. ``--verify`` reads the output
 back into a second sharded model and compares every local shard with what was read from the
-source, bit for bit (rounded to the output dtype). Writes are atomic (see hf_io and checkpoint): a
-failed conversion leaves ``DST.incomplete``, never a DST that looks complete.
+source, bit for bit (rounded to the output dtype), after writing it as ``DST.unverified``; only a
+verified output is renamed to DST. Writes are atomic (see hf_io and checkpoint): a failed
+conversion leaves ``DST.incomplete`` or ``DST.unverified``, never a DST that looks complete.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import pathlib
+import shutil
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -29,6 +31,8 @@ from meshtrain.hf.io import (check_export_target, dtypes_from_names, export_dtyp
 from meshtrain.parallel.layout import plan_layout
 from meshtrain.parallel.mesh import build_mesh
 from meshtrain.models.transformer import Transformer
+
+UNVERIFIED = ".unverified"
 
 
 @dataclass
@@ -74,6 +78,12 @@ def build_sharded(model_cfg: ModelConfig, device: torch.device) -> list[Transfor
     return [build_model(job, mesh, device, initialize=False)]
 
 
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality: unlike torch.equal, a NaN copied exactly equals itself."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -114,18 +124,31 @@ def convert(cc: ConvertConfig) -> None:
         t0 = time.perf_counter()
         dtypes = export_dtypes(dataclasses.replace(model_cfg, init_from_hf=None), cc.dtype,
                                dtypes_from_names(origin.get("hf_dtypes")))
+        # With --verify the output is written under a name that does not look finished and gets
+        # DST's name only once verified: a failed (or killed) verify never leaves a DST to trust.
+        out = dst.with_name(dst.name + UNVERIFIED) if cc.verify else dst
+        if cc.verify and runtime.is_main:
+            shutil.rmtree(out, ignore_errors=True)  # left by a conversion that failed its verify
+        dist.barrier()
         if to == "hf":
-            save_hf(parts, str(dst), dtypes, max_shard_bytes=int(cc.max_shard_gb * 1e9),
+            save_hf(parts, str(out), dtypes, max_shard_bytes=int(cc.max_shard_gb * 1e9),
                     base_config=origin.get("hf_config"), extra_files=tokenizer_files(str(src)))
         else:
-            checkpoint.save_weights(parts, model_cfg, dst, source=str(src), hf_origin=origin,
+            checkpoint.save_weights(parts, model_cfg, out, source=str(src), hf_origin=origin,
                                     extra_files=tokenizer_files(str(src)))
-        say(f"wrote {dst}", t0)
+        say(f"wrote {out}", t0)
         if cc.verify:
             t0 = time.perf_counter()
-            bad = verify(parts, dst, dtypes if to == "hf" else None, model_cfg, runtime.device)
+            bad = verify(parts, out, dtypes if to == "hf" else None, model_cfg, runtime.device)
             if bad:
-                raise CheckpointError(f"--verify: {dst} differs from {src} in {len(bad)} tensors: {', '.join(bad[:4])}")
+                raise CheckpointError(f"--verify: the output differs from {src} in {len(bad)} tensors: "
+                                      f"{', '.join(bad[:4])}; it is left in {out} for inspection and {dst} was not "
+                                      "written")
+            if runtime.is_main:
+                if dst.exists():
+                    dst.rmdir()  # empty: check_export_target said so
+                out.rename(dst)
+            dist.barrier()
             say(f"verified: every tensor of {dst} equals the source bit for bit", t0)
     except BaseException:
         shutdown()
@@ -151,7 +174,7 @@ def verify(parts: list[Transformer], dst: pathlib.Path, hf_dtypes: dict[str, tor
             if hf_dtypes is not None:  # what the file can hold: the source rounded to its dtype
                 first_key = next(iter(to_hf({name: p.shape}, model_cfg)))  # stacked experts: all one dtype
                 expected = expected.to(hf_dtypes[first_key]).to(expected.dtype)
-            if not torch.equal(expected, _local(reloaded[name])):
+            if not same_bytes(expected, _local(reloaded[name])):
                 bad.append(name)
     gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, bad)

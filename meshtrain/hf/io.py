@@ -93,6 +93,14 @@ def inspect_hf_dir(directory: str | pathlib.Path, expected: dict[str, torch.Size
     if missing := set(expected) - set(found):
         raise CheckpointError(f"{root}: missing tensors {_shorten(missing)} (config.json describes a model "
                               "these files do not hold)")
+    if TIED_HEAD in found and TIED_HEAD not in expected and TIED_EMBEDDING in expected:
+        # Some tied checkpoints carry the head as well (transformers loads and ignores it): fine
+        # when it is the embedding, bit for bit; otherwise the files disagree with config.json.
+        if not _same_tensor(root, found, TIED_HEAD, TIED_EMBEDDING):
+            raise CheckpointError(f"{root / found[TIED_HEAD][0]}: {TIED_HEAD} differs from {TIED_EMBEDDING}, but "
+                                  "config.json says tie_word_embeddings=true (one matrix for both). Fix: set "
+                                  "tie_word_embeddings to false in config.json if the head is its own matrix")
+        del found[TIED_HEAD]
     if unexpected := set(found) - set(expected):
         raise CheckpointError(f"{root}: unexpected tensors {_shorten(unexpected)} (in "
                               f"{found[min(unexpected)][0]}); meshtrain's model has no such parameter")
@@ -101,6 +109,22 @@ def inspect_hf_dir(directory: str | pathlib.Path, expected: dict[str, torch.Size
             raise CheckpointError(f"{root / found[key][0]}: {key} has shape {list(found[key][1])}, "
                                   f"config.json implies {list(shape)}")
     return {key: dtype for key, (_, _, dtype) in found.items()}
+
+
+TIED_HEAD, TIED_EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def _same_tensor(root: pathlib.Path, found: dict, a: str, b: str, rows_per_read: int = 4096) -> bool:
+    """Whether two stored tensors hold the same bytes, read a block of rows at a time."""
+    if found[a][1:] != found[b][1:]:
+        return False
+    with safe_open(str(root / found[a][0]), framework="pt") as fa, safe_open(str(root / found[b][0]), framework="pt") as fb:
+        sa, sb = fa.get_slice(a), fb.get_slice(b)
+        for start in range(0, found[a][1][0], rows_per_read):
+            x, y = sa[start:start + rows_per_read], sb[start:start + rows_per_read]
+            if not torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)):
+                return False
+    return True
 
 
 _TORCH_DTYPE = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
@@ -159,6 +183,29 @@ def load_hf_weights(parts: list[Transformer], directory: str) -> None:
         part.reset_buffers()
 
 
+@torch.no_grad()
+def check_finite(parts: list[Transformer], directory: str) -> None:
+    """Refuse imported weights that hold NaN or Inf, naming the file and key, before they reach a
+    step (where they would surface as a non-finite loss, blamed on the learning rate). Each rank
+    checks its own shards; the verdict is the union over ranks. ``meshtrain convert`` copies such
+    weights as they are and does not call this."""
+    cfg = parts[0].cfg
+    bad = sorted({key for part in parts for key, t in _hf_state(part, cfg).items()
+                  if not torch.isfinite(t.to_local() if isinstance(t, DTensor) else t).all()})
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(gathered, bad)
+        bad = sorted({key for keys in gathered for key in keys})
+    if bad:
+        root = pathlib.Path(directory)
+        index = root / INDEX
+        weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else {}
+        where = [f"{root / weight_map.get(key, next(root.glob('*.safetensors')).name)}: {key}" for key in bad]
+        raise CheckpointError(f"model.init_from_hf: {len(bad)} tensor(s) hold NaN or Inf values: {'; '.join(where[:4])}"
+                              f"{' and more' if len(where) > 4 else ''}. Training from them would stop at the first "
+                              "step. Fix: re-download or re-export the checkpoint")
+
+
 def shard_plan(shapes: dict[str, torch.Size], dtypes: dict[str, torch.dtype], max_shard_bytes: int) -> dict[str, int]:
     """HF key -> file number (1-based): keys in module order, a new file when one would overflow."""
     plan, index, used = {}, 1, 0
@@ -190,7 +237,7 @@ def check_export_target(directory: str | pathlib.Path) -> pathlib.Path:
 
 @torch.no_grad()
 def save_hf(parts: list[Transformer], directory: str, dtypes: dict[str, torch.dtype], *, max_shard_bytes: int,
-            base_config: dict | None = None, extra_files: list[pathlib.Path] = ()) -> pathlib.Path:
+            base_config: dict | None = None, extra_files: dict[str, pathlib.Path] | None = None) -> pathlib.Path:
     """Write this job's model (every rank calls this with its parts) as a Hugging Face directory.
     ``dtypes``: HF key -> stored dtype (``export_dtypes``)."""
     cfg: ModelConfig = parts[0].cfg
@@ -210,8 +257,8 @@ def save_hf(parts: list[Transformer], directory: str, dtypes: dict[str, torch.dt
         shutil.rmtree(tmp / "sharded")  # the per-rank pieces, now consolidated
         dtype = collections.Counter(dtypes.values()).most_common(1)[0][0]
         (tmp / "config.json").write_text(json.dumps(hf_config_from_model(cfg, dtype, base_config), indent=2) + "\n")
-        for f in extra_files:
-            shutil.copy2(f, tmp / f.name)
+        for name, f in (extra_files or {}).items():
+            shutil.copy2(f, tmp / name)
         if out.exists():
             out.rmdir()  # empty, checked above
         tmp.rename(out)
@@ -219,10 +266,15 @@ def save_hf(parts: list[Transformer], directory: str, dtypes: dict[str, torch.dt
     return out
 
 
-def tokenizer_files(directory: str | None) -> list[pathlib.Path]:
-    if directory is None:
-        return []
-    return [p for name in TOKENIZER_FILES if (p := pathlib.Path(directory) / name).is_file()]
+def tokenizer_files(source: str | None) -> dict[str, pathlib.Path]:
+    """The tokenizer files to ship with a model, by the name each gets there: a directory's Hugging
+    Face tokenizer files, or a lone tokenizer file (``data.tokenizer=x.json``) as tokenizer.json."""
+    if source is None:
+        return {}
+    path = pathlib.Path(source)
+    if path.is_file():
+        return {"tokenizer.json": path}
+    return {name: p for name in TOKENIZER_FILES if (p := path / name).is_file()}
 
 
 def export_dtypes(cfg: ModelConfig, choice: str, source: dict[str, torch.dtype] | None = None) -> dict[str, torch.dtype]:
