@@ -214,7 +214,8 @@ class Trainer:
 
     def fit(self) -> list[dict[str, float]]:
         cfg = self.cfg
-        logger = MetricsLogger(cfg.logging, self.run_dir, cfg.train.steps, enabled=self.runtime.is_main)
+        logger = MetricsLogger(cfg.logging, self.run_dir, cfg.train.steps, enabled=self.runtime.is_main,
+                               start_step=self.step)
         logger.info(f"layout: {self.mesh.describe(cfg.parallel)}")
         active = f" ({self.active_params / 1e6:.2f}M active)" if cfg.model.is_moe else ""
         logger.info(f"model: {cfg.model.family}, {self.num_params / 1e6:.2f}M parameters{active}, "

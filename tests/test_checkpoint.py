@@ -2,10 +2,10 @@
 async save, and mismatched or damaged checkpoints ending in a CheckpointError."""
 
 import json
+import shutil
 import time
 
 import pytest
-import torch
 
 import meshtrain.checkpoint.checkpointer
 from meshtrain.checkpoint.checkpointer import complete_checkpoints
@@ -113,3 +113,16 @@ def test_an_async_checkpoint_is_published_once_written_not_at_the_next_save(tmp_
     assert [s for s, _ in complete_checkpoints(ckpts)] == [3]
     monkeypatch.undo()
     assert len(run(job(tmp_path, interval=3, async_save=True))) == 3  # steps 4..6
+
+
+def test_metrics_jsonl_holds_each_step_once_after_a_resume(tmp_path):
+    def job_with_metrics():
+        return tiny_config(train={"steps": 6, "run_dir": str(tmp_path)}, checkpoint={"interval": 2, "keep_last": 0},
+                           logging={"jsonl": True})
+
+    run(job_with_metrics())  # metrics for steps 1-6, checkpoints 2, 4, 6
+    shutil.rmtree(tmp_path / "checkpoints" / "step-000006")  # as if the job died before saving step 6
+    replayed = run(job_with_metrics())  # resumes at step 4: steps 5 and 6 run again
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in records[4:]] == losses(replayed)  # the rerun's own records

@@ -51,7 +51,8 @@ def memory_gib(device: torch.device) -> float:
 class MetricsLogger:
     """Rank 0 writes: a progress bar on a terminal or plain lines, metrics.jsonl, TensorBoard."""
 
-    def __init__(self, cfg: LoggingConfig, run_dir: pathlib.Path, total_steps: int, enabled: bool):
+    def __init__(self, cfg: LoggingConfig, run_dir: pathlib.Path, total_steps: int, enabled: bool,
+                 start_step: int = 0):
         self.cfg, self.total_steps, self.enabled = cfg, total_steps, enabled
         self.bar = cfg.progress == "on" or (cfg.progress == "auto" and sys.stdout.isatty())
         self._jsonl = self._tb = None
@@ -59,6 +60,7 @@ class MetricsLogger:
             return
         if cfg.jsonl:
             try:
+                keep_steps_up_to(run_dir / "metrics.jsonl", start_step)
                 self._jsonl = (run_dir / "metrics.jsonl").open("a")
             except OSError as e:
                 raise TrainingError(describe_write_error(e, "metrics")) from None
@@ -105,6 +107,27 @@ class MetricsLogger:
         for f in (self._jsonl, self._tb):
             if f is not None:
                 f.close()
+
+
+def keep_steps_up_to(path: pathlib.Path, step: int) -> None:
+    """Drop the records of steps after ``step`` (the step a run starts from): a resumed run replays
+    them, and the file keeps each step once, as the run that led to the current weights saw it.
+    A torn last line (a crash mid-write) goes too."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= step]
+    if len(kept) != len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(path)
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def format_metrics(step: int, total: int, m: dict[str, float]) -> str:
