@@ -52,10 +52,11 @@ def die_with_launcher() -> None:
     import signal
 
     PR_SET_PDEATHSIG = 1
+    launcher = os.getppid()  # not "ppid == 1": in a container the launcher itself may be pid 1
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         return  # not fatal: the run-dir lock still keeps a rerun away from an orphan
-    if os.getppid() == 1:  # the launcher died before the signal was armed
+    if os.getppid() != launcher:  # the launcher died before the signal was armed
         os._exit(1)
 
 
