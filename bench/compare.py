@@ -46,7 +46,8 @@ COMMUNICATION = ["dp2", "tp2", "tp2+sp", "pp2", "cp2", "ep2"]
 
 
 def job_config(args: argparse.Namespace, parallel: dict, moe: bool):
-    from meshtrain.config import JobConfig, from_dict
+    from meshtrain.config import JobConfig
+    from meshtrain.config_files import from_dict
 
     model = {"hidden_size": args.hidden, "intermediate_size": 3 * args.hidden, "num_hidden_layers": args.layers,
              "num_attention_heads": args.heads, "num_key_value_heads": args.heads // 2, "vocab_size": 384,

@@ -25,7 +25,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def job_config(args: argparse.Namespace, cp: int):
-    from meshtrain.config import JobConfig, from_dict
+    from meshtrain.config import JobConfig
+    from meshtrain.config_files import from_dict
 
     return from_dict(JobConfig, {
         "model": {"hidden_size": args.hidden, "intermediate_size": 3 * args.hidden, "num_hidden_layers": args.layers,

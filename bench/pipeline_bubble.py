@@ -45,7 +45,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
-    from meshtrain.config import JobConfig, from_dict
+    from meshtrain.config import JobConfig
+    from meshtrain.config_files import from_dict
     from meshtrain.parallel.runtime import exit_process, init_distributed, shutdown
     from meshtrain.parallel.layout import plan_layout
     from meshtrain.parallel.mesh import build_mesh

@@ -14,7 +14,8 @@ from typing import Callable, NoReturn
 
 import tyro
 
-from meshtrain.config import JobConfig, load_yaml
+from meshtrain.config import JobConfig
+from meshtrain.config_files import load_yaml
 from meshtrain.errors import MeshtrainError
 
 

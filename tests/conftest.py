@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from meshtrain.config import JobConfig, from_dict
+from meshtrain.config import JobConfig
+from meshtrain.config_files import from_dict
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

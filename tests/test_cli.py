@@ -157,7 +157,7 @@ def test_every_field_out_of_range_is_refused_by_the_dry_run(option, value, messa
 
 
 def test_a_yaml_key_given_twice_is_an_error_not_last_one_wins(tmp_path):
-    from meshtrain.config import load_yaml
+    from meshtrain.config_files import load_yaml
     from meshtrain.errors import ConfigError
 
     cfg = tmp_path / "twice.yaml"

@@ -3,7 +3,8 @@
 import pytest
 
 from meshtrain.cli import parse
-from meshtrain.config import JobConfig, dump_yaml, from_dict, load_yaml
+from meshtrain.config import JobConfig
+from meshtrain.config_files import dump_yaml, from_dict, load_yaml
 from meshtrain.errors import ConfigError
 
 

@@ -97,7 +97,7 @@ def test_mixtral_and_qwen3_moe_from_hf_configs(tmp_path):
 
 def test_a_meshtrain_yaml_supplies_shape_sequence_and_precision():
     p, cfg = plan(model=str(ROOT / "configs" / "debug.yaml"), gpus=4)
-    job = __import__("meshtrain.config", fromlist=["load_yaml"]).load_yaml(str(ROOT / "configs" / "debug.yaml"))
+    job = __import__("meshtrain.config_files", fromlist=["load_yaml"]).load_yaml(str(ROOT / "configs" / "debug.yaml"))
     assert total_parameters(p.shape) == count_parameters(job.model)
     assert cfg.seq_len == job.train.seq_len and cfg.precision == "fp32"
 

@@ -321,7 +321,7 @@ def hf_origin_of(model: ModelConfig) -> dict:
 
 def model_config_of(path: pathlib.Path) -> ModelConfig:
     """The architecture a checkpoint was written for (for tools that start from the checkpoint)."""
-    from meshtrain.config import from_dict
+    from meshtrain.config_files import from_dict
 
     return from_dict(ModelConfig, read_meta(path)["model"])
 

@@ -13,7 +13,8 @@ import sys
 import warnings
 
 from meshtrain.checkpoint.checkpointer import check_architecture, read_meta
-from meshtrain.config import JobConfig, dump_yaml
+from meshtrain.config import JobConfig
+from meshtrain.config_files import dump_yaml
 from meshtrain.errors import ConfigError
 from meshtrain.hf.adapter import resolve_init_from_hf
 from meshtrain.hf.io import check_export_target

@@ -10,7 +10,8 @@ import pathlib
 import re
 from dataclasses import dataclass
 
-from meshtrain.config import JobConfig, ModelConfig, load_yaml
+from meshtrain.config import JobConfig, ModelConfig
+from meshtrain.config_files import load_yaml
 from meshtrain.errors import ConfigError
 from meshtrain.planning.options import PlanConfig
 
