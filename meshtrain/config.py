@@ -246,6 +246,34 @@ class LoggingConfig:
     """Write TensorBoard events (needs the optional tensorboard package)."""
     peak_tflops: float | None = None
     """Peak dense TFLOP/s of one device for MFU; None guesses from the CUDA device name."""
+    wandb_project: str | None = None
+    """Log to this Weights & Biases project (needs the optional wandb package); None: no W&B."""
+    wandb_mode: Literal["online", "offline"] = "online"
+    """offline: write the W&B run under run_dir/wandb without network (``wandb sync`` uploads it later)."""
+    phase_every: int = 0
+    """Every this many steps, log where the step's time went (data wait, forward+backward,
+    optimizer, checkpoint), per rank 0; 0: never."""
+
+
+@dataclass
+class ProfilingConfig:
+    """Looking inside a run: profiler traces, CUDA memory snapshots, the flight recorder of collectives."""
+
+    trace: bool = False
+    """Record torch.profiler traces for a window of steps, one Chrome/Perfetto trace per rank in
+    run_dir/profile/ (open in https://ui.perfetto.dev or chrome://tracing)."""
+    trace_wait: int = 1
+    """Steps before the window (the first steps' set-up would dominate it)."""
+    trace_warmup: int = 1
+    """Steps profiled but not recorded, so the recorded ones run warm."""
+    trace_active: int = 2
+    """Steps recorded."""
+    memory_snapshot_steps: list[int] = field(default_factory=list)
+    """CUDA: write a memory snapshot (run_dir/memory/, open in https://pytorch.org/memory_viz) after
+    each of these steps, and on an out-of-memory error."""
+    flight_recorder: int = 1000
+    """Collectives each rank remembers (torch's flight recorder). When one does not complete, every
+    rank writes them to run_dir/flight_recorder/ and names the last in its error; 0 disables."""
 
 
 @dataclass
@@ -260,3 +288,4 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)

@@ -72,6 +72,13 @@ RULES: list[Rule] = [
     _above_zero("checkpoint.hf_max_shard_gb", "use e.g. 5"),
     _positive("logging.log_every"),
     _optional(_above_zero("logging.peak_tflops")),
+    _non_negative("logging.phase_every", "use 0 for no phase breakdown, or e.g. 10"),
+    _non_negative("profiling.trace_wait"),
+    _non_negative("profiling.trace_warmup"),
+    _positive("profiling.trace_active"),
+    ("profiling.memory_snapshot_steps", lambda v: all(step >= 1 for step in v), "must hold steps >= 1",
+     "list training steps, e.g. [2, 10]"),
+    _non_negative("profiling.flight_recorder", "use 0 to disable it, or e.g. 1000"),
 ]
 
 

@@ -2,6 +2,7 @@
 script under stand-in scontrol/srun, the PyTorchJob's command under the operator's PET_* variables,
 and a hung rank ending the job within parallel.timeout_s with a message instead of a hang."""
 
+import json
 import os
 import pathlib
 import re
@@ -195,3 +196,12 @@ def test_a_hung_rank_in_a_multi_dim_layout_ends_the_job_within_the_timeout(tmp_p
     assert said_at - stopped_at < timeout_s + 30, said_at - stopped_at
     assert f"parallel.timeout_s={timeout_s}" in text
     assert proc.returncode != 0
+    # The flight recorder: each rank that noticed names its last collective and writes its record.
+    named = re.findall(r"\[rank (\d+)\] a collective did not complete.*?This rank's last collective: (gloo:\w+) on "
+                       r"group (\S+) \(#\w+\), sequence (\d+).*?are in (\S+) \(compare", text)
+    assert named, text[-3000:]
+    for rank, op, group, sequence, path in named:
+        record = json.loads(pathlib.Path(path).read_text())
+        assert pathlib.Path(path) == tmp_path / "flight_recorder" / f"rank{rank}.json"
+        last = record["entries"][-1]
+        assert (last["profiling_name"], last["process_group"][1], str(last["collective_seq_id"])) == (op, group, sequence)

@@ -23,6 +23,7 @@ from meshtrain.parallel.mesh import build_mesh
 from meshtrain.parallel.runtime import (Runtime, collective_error, init_distributed, is_collective_failure, shutdown,
                                         world_size_from_env)
 from meshtrain.run_dir import check_writable, describe_write_error, run_dir_lock
+from meshtrain.telemetry import flight_recorder
 from meshtrain.trainer import Trainer
 from meshtrain.validation import check_ranges
 
@@ -86,13 +87,15 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
     layout = plan(cfg)
     # Rank 0 holds the run dir before any group exists: a refused job stops before its ranks meet.
     with run_dir_lock(cfg.train.run_dir, enabled=int(os.environ.get("RANK", "0")) == 0):
-        runtime = init_distributed(cfg.parallel.timeout_s)
+        runtime = init_distributed(cfg.parallel.timeout_s, cfg.profiling.flight_recorder)
         try:
             history = train(cfg, layout, runtime)
         except BaseException as e:
-            shutdown()
             if isinstance(e, RuntimeError) and is_collective_failure(e):
-                raise collective_error(e, cfg.parallel.timeout_s) from None
+                record = flight_recorder.write(cfg.train.run_dir, runtime.rank)  # before the groups go
+                shutdown()
+                raise collective_error(e, cfg.parallel.timeout_s, record) from None
+            shutdown()
             raise
         shutdown(synchronize=True)
     return history

@@ -3,7 +3,9 @@
 torch 2.13 exposes flattening and unflattening of mesh dims only as ``DeviceMesh._flatten`` and
 ``DeviceMesh._unflatten``, names the placement FSDP gives a dim it shards after another mesh
 dim already did (experts over edp after ep) only as ``_StridedShard``, and gloo's process-group
-options (the only way to give a DeviceMesh's groups a timeout) only as ``ProcessGroupGloo._Options``
+options (the only way to give a DeviceMesh's groups a timeout) only as ``ProcessGroupGloo._Options``,
+and the flight recorder's record of collectives (gloo and NCCL alike, filled when
+TORCH_FR_BUFFER_SIZE is set before a group is made) only as ``_dump_fr_trace_json``
 (checked against torch 2.13.0). Everything else goes through this file, so a torch upgrade that makes them public (or
 changes them) is a one-file change.
 """
@@ -38,3 +40,10 @@ def unflatten(mesh: DeviceMesh, sizes: tuple[int, ...], names: tuple[str, ...],
               timeout: datetime.timedelta) -> DeviceMesh:
     """Regroup a 1-D mesh into an N-D one with new dim names (the same ranks, another grid)."""
     return mesh._unflatten(0, sizes, names, backend_override={n: group_options(timeout) for n in names})
+
+
+def flight_recorder_json() -> str:
+    """This process's flight-recorder record (every group's recent collectives) as JSON."""
+    from torch._C._distributed_c10d import _dump_fr_trace_json
+
+    return _dump_fr_trace_json(includeCollectives=True, onlyActive=False)

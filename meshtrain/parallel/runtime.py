@@ -60,8 +60,13 @@ def die_with_launcher() -> None:
         os._exit(1)
 
 
-def init_distributed(timeout_s: int) -> Runtime:
+def init_distributed(timeout_s: int, flight_recorder: int = 0) -> Runtime:
+    """This rank's process group, with ``timeout_s`` and the flight recorder keeping the last
+    ``flight_recorder`` collectives of each group."""
+    from meshtrain.telemetry import flight_recorder as recorder
+
     die_with_launcher()
+    recorder.arm(flight_recorder)
     device_type = device_type_from_env()
     rank, world, local_rank = (int(os.environ.get(k, d)) for k, d in
                                (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")))
@@ -128,11 +133,15 @@ def is_collective_failure(error: BaseException) -> bool:
         isinstance(error, RuntimeError) and any(s in str(error) for s in _PEER_FAILURE))
 
 
-def collective_error(error: BaseException, timeout_s: int) -> "CollectiveError":
+def collective_error(error: BaseException, timeout_s: int, record: tuple | None = None) -> "CollectiveError":
+    """The error a rank raises when a collective fails; ``record``: (path, last collective) from
+    ``telemetry.flight_recorder.write``."""
     from meshtrain.errors import CollectiveError
 
     detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    seen = (f" This rank's last collective: {record[1]}; its recent ones are in {record[0]} (compare the "
+            "ranks' files: the rank whose sequence numbers stop short is the one to look at).") if record else ""
     return CollectiveError(
         f"a collective did not complete ({detail}): another rank has died or hangs, and its own output says "
-        f"why; parallel.timeout_s={timeout_s} bounds how long the others wait. Fix: look at the first failing "
-        "rank's log, or raise parallel.timeout_s if one step legitimately takes longer")
+        f"why; parallel.timeout_s={timeout_s} bounds how long the others wait.{seen} Fix: look at the first "
+        "failing rank's log, or raise parallel.timeout_s if one step legitimately takes longer")
