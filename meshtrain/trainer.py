@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from meshtrain.checkpoint.checkpointer import Checkpointer
 from meshtrain.config import JobConfig
+from meshtrain.config_files import to_dict
 from meshtrain.data.loader import BatchStream, PackedDataset
 from meshtrain.data.text import tokenize_corpus
 from meshtrain.data.tokenizer import build_tokenizer
@@ -39,6 +40,7 @@ from meshtrain.parallel.pipeline import Pipeline, stage_ids_for_rank
 from meshtrain.parallel.runtime import Runtime
 from meshtrain.parallel.tensor import grads_to_param_placements, sum_moe_grads_over_tp
 from meshtrain.telemetry.metrics import MetricsLogger, flops_per_token, memory_gib, peak_tflops
+from meshtrain.telemetry.profiling import MemorySnapshots, PhaseClock, format_phases, trace_window
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -67,6 +69,7 @@ class Trainer:
         self.active_params = count_active_parameters(cfg.model) if cfg.model.is_moe else self.num_params
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len, self.active_params)
         self.peak_tflops = peak_tflops(cfg.logging, runtime.device)
+        self.clock = PhaseClock(runtime.device)
 
     def _build_data(self) -> BatchStream:
         """This dp rank's share of every optimizer step's batches."""
@@ -131,6 +134,7 @@ class Trainer:
         t, device = self.cfg.train, self.runtime.device
         start = time.perf_counter()
         batches = self.stream.next_step()
+        self.clock.mark("data")
         rotate = self.cfg.parallel.cp_rotate_method
         with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
             if self.pipeline is not None:
@@ -151,6 +155,7 @@ class Trainer:
             dist.all_reduce(step_loss, group=dp_cp.get_group())
             step_loss /= dp_cp.size()
         loss_value = step_loss.item()
+        self.clock.mark("forward_backward")
         self.step += 1
         if not math.isfinite(loss_value):
             raise TrainingError(f"the loss became {loss_value} at step {self.step}; training stopped before "
@@ -170,6 +175,7 @@ class Trainer:
             sched.step()
             opt.zero_grad(set_to_none=True)
         expert_metrics = self.expert_load_step() if self.cfg.model.is_moe else {}
+        self.clock.mark("optimizer")
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
@@ -214,9 +220,10 @@ class Trainer:
 
     def fit(self) -> list[dict[str, float]]:
         cfg = self.cfg
+        layout = self.mesh.describe(cfg.parallel)
         logger = MetricsLogger(cfg.logging, self.run_dir, cfg.train.steps, enabled=self.runtime.is_main,
-                               start_step=self.step)
-        logger.info(f"layout: {self.mesh.describe(cfg.parallel)}")
+                               start_step=self.step, config=to_dict(cfg), layout=layout)
+        logger.info(f"layout: {layout}")
         active = f" ({self.active_params / 1e6:.2f}M active)" if cfg.model.is_moe else ""
         logger.info(f"model: {cfg.model.family}, {self.num_params / 1e6:.2f}M parameters{active}, "
                     f"{self.flops_per_token / 1e6:.1f} MFLOP/token; grad accumulation "
@@ -225,14 +232,40 @@ class Trainer:
         if self.resumed_from is not None:
             logger.info(f"resumed from {self.resumed_from} at step {self.step}")
         history = []
+        rank, device = self.runtime.rank, self.runtime.device
+        snapshots = MemorySnapshots(cfg.profiling, self.run_dir, rank, device)
+        if cfg.profiling.memory_snapshot_steps and not snapshots.enabled:
+            logger.info(f"profiling.memory_snapshot_steps: memory snapshots need CUDA; none on {device.type}")
         try:
-            while self.step < cfg.train.steps:
-                metrics = self.train_step()
-                history.append(metrics)
-                logger.log(self.step, metrics)
-                if self.checkpointer.should_save(self.step):
-                    path = self.checkpointer.save(self.step)
-                    logger.info(f"checkpoint {path} ({'writing in the background' if cfg.checkpoint.async_save else 'saved'})")
+            with trace_window(cfg.profiling, self.run_dir, rank, device) as profiler:
+                while self.step < cfg.train.steps:
+                    every = cfg.logging.phase_every
+                    self.clock.start(enabled=every > 0 and (self.step + 1) % every == 0)
+                    try:
+                        metrics = self.train_step()
+                    except torch.OutOfMemoryError:
+                        if (path := snapshots.dump(f"oom_step{self.step + 1}")) is not None:
+                            print(f"[rank {rank}] out of memory: memory snapshot in {path}", flush=True)
+                        raise
+                    if self.checkpointer.should_save(self.step):
+                        path = self.checkpointer.save(self.step)
+                        self.clock.mark("checkpoint")
+                        logger.info(f"checkpoint {path} "
+                                    f"({'writing in the background' if cfg.checkpoint.async_save else 'saved'})")
+                    metrics |= {f"time_{phase}_s": s for phase, s in self.clock.seconds.items()}
+                    history.append(metrics)
+                    logger.log(self.step, metrics)
+                    if self.clock.enabled:
+                        logger.info(format_phases(self.step, self.clock.seconds))
+                    if (path := snapshots.after_step(self.step)) is not None:
+                        logger.info(f"memory snapshot {path}")
+                    if profiler is not None:
+                        profiler.step()
+            if cfg.profiling.trace:
+                trace = self.run_dir / "profile" / f"rank{rank}.json"
+                logger.info(f"profiler trace {trace} (one per rank; open in https://ui.perfetto.dev)" if trace.is_file()
+                            else "profiling.trace: the run ended before the trace window began; no trace written "
+                                 "(lower profiling.trace_wait or raise train.steps)")
             self.checkpointer.wait()
             if cfg.checkpoint.export_hf:
                 out = self.export_hf(cfg.checkpoint.export_hf)

@@ -24,6 +24,7 @@ from meshtrain.parallel.runtime import (Runtime, collective_error, init_distribu
                                         world_size_from_env)
 from meshtrain.run_dir import check_writable, describe_write_error, run_dir_lock
 from meshtrain.telemetry import flight_recorder
+from meshtrain.telemetry.backends import check_installed
 from meshtrain.trainer import Trainer
 from meshtrain.validation import check_ranges
 
@@ -49,6 +50,7 @@ def resolve(cfg: JobConfig) -> JobConfig:
         check_export_target(cfg.checkpoint.export_hf)
     if c.resume not in ("auto", "never"):
         check_architecture(read_meta(pathlib.Path(c.resume)), cfg.model, pathlib.Path(c.resume))
+    check_installed(cfg.logging)
     check_writable(cfg.train.run_dir, "train.run_dir")
     if c.dir:
         check_writable(c.dir, "checkpoint.dir")

@@ -5,7 +5,8 @@ torch 2.13 exposes flattening and unflattening of mesh dims only as ``DeviceMesh
 dim already did (experts over edp after ep) only as ``_StridedShard``, and gloo's process-group
 options (the only way to give a DeviceMesh's groups a timeout) only as ``ProcessGroupGloo._Options``,
 and the flight recorder's record of collectives (gloo and NCCL alike, filled when
-TORCH_FR_BUFFER_SIZE is set before a group is made) only as ``_dump_fr_trace_json``
+TORCH_FR_BUFFER_SIZE is set before a group is made) only as ``_dump_fr_trace_json``, and
+CUDA memory snapshots only as ``torch.cuda.memory._record_memory_history`` / ``_dump_snapshot``
 (checked against torch 2.13.0). Everything else goes through this file, so a torch upgrade that makes them public (or
 changes them) is a one-file change.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: F401 (re-exported)
@@ -47,3 +49,13 @@ def flight_recorder_json() -> str:
     from torch._C._distributed_c10d import _dump_fr_trace_json
 
     return _dump_fr_trace_json(includeCollectives=True, onlyActive=False)
+
+
+def record_cuda_memory_history(max_entries: int) -> None:
+    """Start recording CUDA allocations with their stacks (documented, but named privately)."""
+    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+
+
+def dump_cuda_memory_snapshot(path: str) -> None:
+    """Write the recorded allocations as a pickle that https://pytorch.org/memory_viz opens."""
+    torch.cuda.memory._dump_snapshot(path)

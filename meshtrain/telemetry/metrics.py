@@ -18,6 +18,7 @@ import torch
 from meshtrain.config import LoggingConfig, ModelConfig
 from meshtrain.errors import TrainingError
 from meshtrain.run_dir import describe_write_error
+from meshtrain.telemetry.backends import open_backends
 
 # Dense bf16 peak TFLOP/s by CUDA device name fragment.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "B200": 2250.0}
@@ -49,13 +50,14 @@ def memory_gib(device: torch.device) -> float:
 
 
 class MetricsLogger:
-    """Rank 0 writes: a progress bar on a terminal or plain lines, metrics.jsonl, TensorBoard."""
+    """Rank 0 writes: a progress bar on a terminal or plain lines, metrics.jsonl, and the dashboards
+    of telemetry/backends.py (TensorBoard, W&B), which get ``config`` and the ``layout`` line too."""
 
     def __init__(self, cfg: LoggingConfig, run_dir: pathlib.Path, total_steps: int, enabled: bool,
-                 start_step: int = 0):
+                 start_step: int = 0, config: dict | None = None, layout: str = ""):
         self.cfg, self.total_steps, self.enabled = cfg, total_steps, enabled
         self.bar = cfg.progress == "on" or (cfg.progress == "auto" and sys.stdout.isatty())
-        self._jsonl = self._tb = None
+        self._jsonl, self._backends = None, []
         if not enabled:
             return
         if cfg.jsonl:
@@ -64,14 +66,7 @@ class MetricsLogger:
                 self._jsonl = (run_dir / "metrics.jsonl").open("a")
             except OSError as e:
                 raise TrainingError(describe_write_error(e, "metrics")) from None
-        if cfg.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                print("warning: logging.tensorboard=true but the tensorboard package is not installed "
-                      "(pip install 'meshtrain[tensorboard]'); writing metrics.jsonl only", flush=True)
-            else:
-                self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+        self._backends = open_backends(cfg, run_dir, config or {}, layout)
 
     def info(self, message: str) -> None:
         if self.enabled:
@@ -88,9 +83,8 @@ class MetricsLogger:
                 self._jsonl.flush()
             except OSError as e:
                 raise TrainingError(describe_write_error(e, "metrics", self._jsonl.name)) from None
-        if self._tb:
-            for k, v in metrics.items():
-                self._tb.add_scalar(k, v, step)
+        for backend in self._backends:
+            backend.log(step, metrics)
         if step % self.cfg.log_every and step != self.total_steps:
             return
         line = format_metrics(step, self.total_steps, metrics)
@@ -104,9 +98,10 @@ class MetricsLogger:
             print(line, flush=True)
 
     def close(self) -> None:
-        for f in (self._jsonl, self._tb):
-            if f is not None:
-                f.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
+        for backend in self._backends:
+            backend.close()
 
 
 def keep_steps_up_to(path: pathlib.Path, step: int) -> None:
