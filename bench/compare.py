@@ -35,14 +35,18 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAYOUTS = {
     "1 rank": (1, {}, False),
     "dp2": (2, {"dp_shard": 2}, False),
+    # gradient accumulation (global / (micro x dp) = 2 micro-batches by default) without a
+    # reduce-scatter per micro-batch, and also without re-gathering parameters between them
+    "dp2 reduce_last": (2, {"dp_shard": 2, "fsdp_accumulate": "reduce_last"}, False),
+    "dp2 reduce_last_unsharded": (2, {"dp_shard": 2, "fsdp_accumulate": "reduce_last_unsharded"}, False),
     "tp2": (2, {"tp": 2}, False),
     "tp2+sp": (2, {"tp": 2, "sp": True}, False),
     "pp2": (2, {"pp": 2, "pp_schedule": "1F1B"}, False),
     "cp2": (2, {"cp": 2}, False),
     "ep2": (2, {"ep": 2}, True),
 }
-THROUGHPUT = ["1 rank", "dp2", "tp2", "pp2"]
-COMMUNICATION = ["dp2", "tp2", "tp2+sp", "pp2", "cp2", "ep2"]
+THROUGHPUT = ["1 rank", "dp2", "dp2 reduce_last", "dp2 reduce_last_unsharded", "tp2", "pp2"]
+COMMUNICATION = ["dp2", "dp2 reduce_last", "dp2 reduce_last_unsharded", "tp2", "tp2+sp", "pp2", "cp2", "ep2"]
 
 
 def job_config(args: argparse.Namespace, parallel: dict, moe: bool):
@@ -173,16 +177,20 @@ def analytic_minimum(name: str, args: argparse.Namespace) -> list[tuple[str, tup
     m = cfg.model
     b = 2 if args.dtype == "bf16" else 4
     n = ranks
-    dp = n if name in ("dp2", "ep2") else 1  # cp splits the sequence, not the batch
+    dp = n if name.startswith(("dp2", "ep2")) else 1  # cp splits the sequence, not the batch
     micro = args.global_batch // args.micro_batch // dp
     act = args.micro_batch * args.seq_len * m.hidden_size * b  # one micro-batch's hidden states
     parts = []
-    if name in ("dp2", "cp2", "ep2"):
+    if name.startswith(("dp2", "cp2", "ep2")):
         params = count_parameters(m)
         if moe:  # the experts are outside FSDP under EP
             params -= 3 * m.num_experts * m.resolved_moe_intermediate_size * m.hidden_size * m.num_hidden_layers
+        held = {"reduce_last": f"; holds full grads, +{params * 4 / 1e6:.2f} MB/rank while accumulating",
+                "reduce_last_unsharded": f"; holds full grads and params, +{2 * params * 4 / 1e6:.2f} MB/rank "
+                                         "while accumulating"}.get(parallel.get("fsdp_accumulate"), "")
         parts.append(("FSDP", FSDP_OPS, 2 * (n - 1) / n * params * 4,
-                      f"ZeRO-3 floor: 2 (AG weights + RS grads, once per step) x (n-1)/n x {params:,} params x 4 B"))
+                      f"ZeRO-3 floor: 2 (AG weights + RS grads, once per step) x (n-1)/n x {params:,} params x 4 B"
+                      + held))
     if name == "cp2":
         kv = args.micro_batch * (args.seq_len // n) * m.num_key_value_heads * m.resolved_head_dim * b
         parts.append(("CP ring", ("all_gather", "all_to_all_single"), 2 * 2 * (n - 1) * kv * m.num_hidden_layers * micro,

@@ -144,6 +144,12 @@ class ParallelConfig:
     """Free each block's gathered parameters after its forward and re-gather them in backward
     (always): less memory for one more all-gather per block, and per micro-batch under a pipeline.
     default: always without pp, never with pp. The root unit always keeps them."""
+    fsdp_accumulate: Literal["reduce_each", "reduce_last", "reduce_last_unsharded"] = "reduce_each"
+    """How FSDP accumulates gradients over a step's micro-batches. reduce_each: reduce-scatter each
+    micro-batch's gradients (least memory). reduce_last: keep full gradients until the last
+    micro-batch and reduce once (1/accumulation of the reduce traffic, one full gradient copy per
+    rank). reduce_last_unsharded: also keep parameters gathered between micro-batches (fewer
+    all-gathers, one full parameter copy too). Pipelines always reduce once per step (torch's schedule)."""
     loss_parallel: bool = True
     """With tp > 1, compute cross-entropy on the vocab-sharded logits without gathering them."""
     gpus_per_node: int | None = None

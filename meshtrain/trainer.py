@@ -33,6 +33,7 @@ from meshtrain.models.transformer import count_active_parameters, count_paramete
 from meshtrain.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from meshtrain.parallel.context import sequence_sharded
 from meshtrain.parallel.expert import expert_parameters
+from meshtrain.parallel.fsdp import before_micro_batch
 from meshtrain.parallel.layout import resolve_schedule
 from meshtrain.parallel.mesh import ParallelMesh
 from meshtrain.parallel.parallelize import build_model
@@ -144,7 +145,8 @@ class Trainer:
             else:
                 step_loss = torch.zeros((), device=device)
                 (model,) = self.parts
-                for inputs, labels in batches:
+                for i, (inputs, labels) in enumerate(batches):
+                    before_micro_batch(model, self.cfg.parallel.fsdp_accumulate, last=i == len(batches) - 1)
                     inputs, labels = inputs.to(device), labels.to(device)
                     with sequence_sharded(self.mesh, [inputs, labels], self.parts, rotate):
                         loss = cross_entropy(model(inputs), labels) / len(batches)

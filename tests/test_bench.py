@@ -57,7 +57,8 @@ def test_compare_bench_sets_every_layout_beside_its_minimum(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "compare.json").read_text())
     speed = result["throughput"]
-    assert set(speed) == {"transformers 1 rank", "meshtrain 1 rank", "meshtrain dp2", "meshtrain tp2", "meshtrain pp2"}
+    assert set(speed) == {"transformers 1 rank", "meshtrain 1 rank", "meshtrain dp2", "meshtrain dp2 reduce_last",
+                          "meshtrain dp2 reduce_last_unsharded", "meshtrain tp2", "meshtrain pp2"}
     assert all(s["tokens_per_s"] > 0 and s["vs_transformers"] > 0 for s in speed.values())
     parts = {(name, p["part"]): p for name, c in result["communication"].items() for p in c["parts"]}
     # layouts whose communication is at its floor must stay there: a regression shows as a ratio above 1
@@ -66,6 +67,10 @@ def test_compare_bench_sets_every_layout_beside_its_minimum(tmp_path):
     # the EP minimum assumes uniform routing; a random router sends a binomial share off-rank
     assert parts[("ep2", "EP all-to-all")]["ratio"] == pytest.approx(1.0, abs=0.15)
     assert parts[("dp2", "FSDP")]["ratio"] >= 1.0 and parts[("cp2", "CP ring")]["ratio"] >= 1.0
+    # accumulating without a reduce-scatter per micro-batch (2 here), then without re-gathering too
+    fsdp = [parts[(name, "FSDP")] for name in ("dp2", "dp2 reduce_last", "dp2 reduce_last_unsharded")]
+    assert fsdp[0]["ratio"] > fsdp[1]["ratio"] > fsdp[2]["ratio"] >= 1.0, [f["ratio"] for f in fsdp]
+    assert fsdp[1]["calls"]["_reduce_scatter_base"] * 2 == fsdp[0]["calls"]["_reduce_scatter_base"]
     for name, ranks in result["memory"].items():
         assert all(r["ratio"] == pytest.approx(1.0, rel=0.02) for r in ranks), name
     assert "| tp2 | TP | all_reduce" in (tmp_path / "compare.md").read_text()

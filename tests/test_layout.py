@@ -143,3 +143,10 @@ def test_schedule_default_follows_vpp_and_a_useless_one_warns():
     assert plan(2, {"pp": 2}, train={"micro_batch_size": 1}).pp_schedule == "1F1B"
     with pytest.warns(UserWarning, match="pp_schedule=GPipe has no effect with pp=1"):
         plan_layout(tiny_config(parallel={"pp_schedule": "GPipe"}), 2)
+
+
+def test_fsdp_accumulate_under_a_pipeline_says_it_changes_nothing():
+    with pytest.warns(UserWarning, match="fsdp_accumulate=reduce_last has no effect with pp > 1: the pipeline "
+                                         "schedule already reduces"):
+        plan_layout(tiny_config(parallel={"pp": 2, "fsdp_accumulate": "reduce_last"},
+                                train={"micro_batch_size": 1}), 4)

@@ -219,6 +219,9 @@ MOE_LAYOUTS = {  # name: (ranks, options, extra model options, layout line)
                              ("--model.num-hidden-layers", "4"), "PP2 DP2"),
     # expert parallel, folded over the data-parallel ranks; edp = world / (pp * ep)
     "ep2": (2, ["--parallel.ep", "2"], (), "DP2 CP1 EP2"),
+    # FSDP gradients (dense over dp, experts over edp) reduced once per step, params kept gathered
+    "ep2-reduce-last-unsharded": (2, ["--parallel.ep", "2", "--parallel.fsdp-accumulate", "reduce_last_unsharded"],
+                                  (), "DP2 CP1 EP2"),
     "ep4": (4, ["--parallel.ep", "4"], (), "DP4 CP1 EP4"),
     "ep2-edp2": (4, ["--parallel.ep", "2"], (), "DP4 CP1 EP2"),  # FSDP splits each ep shard over edp
     # token dropping: capacity per sequence, so every rank drops what the single-rank run drops;

@@ -55,6 +55,11 @@ LAYOUTS = {
     "dp2-tp2": (4, ["--parallel.tp", "2"], "TP2 PP1 DP2"),
     "hsdp2x2": (4, ["--parallel.dp-replicate", "2", "--parallel.dp-shard", "2"], "[HSDP 2x2]"),
     "fsdp4-tp2-sp": (8, ["--parallel.tp", "2", "--parallel.sp", "True"], "TP2 PP1 DP4 CP1 EP1 [SP]"),
+    # gradient accumulation (2 micro-batches) reduced once per step, then also without re-gathering
+    "dp2-reduce-last": (2, ["--parallel.dp-shard", "2", "--parallel.fsdp-accumulate", "reduce_last"], "TP1 PP1 DP2"),
+    "dp2-tp2-sp-reduce-last-unsharded": (4, ["--parallel.tp", "2", "--parallel.sp", "True",
+                                             "--parallel.fsdp-accumulate", "reduce_last_unsharded"],
+                                         "TP2 PP1 DP2 CP1 EP1 [SP]"),
 }
 
 
@@ -81,6 +86,14 @@ def expected_collectives(name: str, counts: dict) -> None:
                           "all_reduce": 2 * L + 1, "allreduce": 1}
     elif name == "hsdp2x2":  # 1 micro-batch; the replicate all-reduce is one per FSDP unit
         assert counts == fsdp | {"allreduce": 2 + (L + 1)}
+    elif name == "dp2-reduce-last":  # 2 micro-batches, one reduce-scatter per unit for both
+        assert counts == {"_allgather_base": 2 * (2 * L + 1), "_reduce_scatter_base": L + 1, "allreduce": 2}
+    elif name == "dp2-tp2-sp-reduce-last-unsharded":
+        # Micro-batch 1 gathers as usual (2L+1) and keeps its parameters after backward; micro-batch 2
+        # forwards on them, reshards its blocks after forward and re-gathers them in backward (L).
+        sp = 2 * 2 * (2 * L + 1)  # 2 micro-batches x forward and backward x (2L+1)
+        assert counts == {"_allgather_base": 3 * L + 1, "_reduce_scatter_base": L + 1, "reduce_scatter": sp,
+                          "all_gather": sp, "all_reduce": 2 * L + 1, "allreduce": 2}
     elif name == "fsdp4-tp2-sp":  # 1 micro-batch; the norms' Partial tp grads: 2L+1 all-reduces
         assert counts == fsdp | {"reduce_scatter": 2 * (2 * L + 1), "all_gather": 2 * (2 * L + 1),
                                  "all_reduce": 2 * L + 1, "allreduce": 2}

@@ -17,7 +17,8 @@ weights get it. ep folds over tp as well, but tp ranks share one loss, so tp is 
 from __future__ import annotations
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from meshtrain.parallel.mesh import ParallelMesh
 from meshtrain.models.transformer import Transformer
@@ -46,3 +47,17 @@ def apply_fsdp(model: Transformer, mesh: ParallelMesh, *, mixed_precision: str, 
     # The root's parameters (embedding, norm, lm_head) are used again first thing in backward:
     # keeping them unsharded after forward saves an all-gather for little memory.
     fully_shard(model, mesh=mesh.fsdp, mp_policy=policy, reshard_after_forward=False)
+
+
+def before_micro_batch(model: nn.Module, accumulate: str, last: bool) -> None:
+    """Set up FSDP for the next micro-batch's backward under ``parallel.fsdp_accumulate``: unless
+    it is the step's last, keep its gradients unsharded and unreduced (and, with
+    reduce_last_unsharded, its parameters gathered); the last one reduces the sum once. Every FSDP
+    unit is set, the expert units on edp included (they need not sit under a root unit)."""
+    if accumulate == "reduce_each":
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_requires_gradient_sync(last, recurse=False)
+            if accumulate == "reduce_last_unsharded":
+                module.set_reshard_after_backward(last, recurse=False)

@@ -190,6 +190,9 @@ def plan_layout(cfg: JobConfig, world_size: int) -> Layout:
     layout = Layout(world_size, p.pp, p.vpp, p.dp_replicate, dp_shard, p.cp, p.tp, p.sp, p.ep, p.etp, grad_accum,
                     schedule, tuple(stage_layers), p.timeout_s)
     messages = layout_warnings(layout, p.gpus_per_node)
+    if p.pp > 1 and p.fsdp_accumulate != "reduce_each":
+        messages.append(f"parallel.fsdp_accumulate={p.fsdp_accumulate} has no effect with pp > 1: the pipeline "
+                        "schedule already reduces FSDP gradients once per step")
     if p.pp == 1 and p.pp_schedule != "auto":
         messages.append(f"parallel.pp_schedule={p.pp_schedule} has no effect with pp=1")
     for message in messages:
