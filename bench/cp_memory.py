@@ -100,7 +100,7 @@ def planner_estimate(args: argparse.Namespace, cp: int) -> float:
     model = job_config(args, cp).model
     shape = shape_from_model_config(model, "bench")
     sizes = Sizes(world=cp, cp=cp)
-    per_layer = layer_activation_elements(shape, 0, sizes, args.seq_len, False, fused_norm=False)
+    per_layer = layer_activation_elements(shape, 0, sizes, args.seq_len, "none", fused_norm=False)
     embedding = args.seq_len / cp * model.hidden_size  # the last norm's input and output, the head's input
     logits = args.seq_len / cp * model.vocab_size * 2  # the head's output (fp32) and log-softmax's
     return 4 * (per_layer * model.num_hidden_layers + 3 * embedding + logits)

@@ -209,8 +209,12 @@ class TrainConfig:
     """Max global L2 norm of the gradients; 0 disables clipping."""
     mixed_precision: Literal["fp32", "bf16"] = "fp32"
     """bf16: bf16 compute with fp32 master weights and fp32 gradient reduction."""
-    activation_checkpointing: bool = False
-    """Recompute each block's activations in backward instead of storing them."""
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward instead of storing them. full: keep each layer's input
+    only; selective: keep the matmul, attention and collective outputs and recompute the cheap ops
+    (about half the activations of none, for little extra compute)."""
+    activation_checkpointing_every: int = 1
+    """Checkpoint one decoder layer in every this many (by global index); the others keep all."""
     run_dir: str = "runs/default"
     """Where the resolved config, metrics.jsonl and TensorBoard events go."""
     dry_run: bool = False

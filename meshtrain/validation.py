@@ -65,6 +65,7 @@ RULES: list[Rule] = [
     _positive("train.global_batch_size"),
     _positive("train.micro_batch_size"),
     _positive("train.seq_len"),
+    _positive("train.activation_checkpointing_every", "use 1 to checkpoint every layer"),
     _non_negative("train.seed"),
     _non_negative("train.grad_clip", "use 0 to disable clipping, or e.g. 1.0"),
     _non_negative("checkpoint.interval", "use 0 to save nothing"),

@@ -24,7 +24,7 @@ CP_LAYOUTS = {  # name: (ranks, options, model options, layout line)
     "cp2-tp2-sp": (4, ["--parallel.cp", "2", "--parallel.tp", "2", "--parallel.sp", "True"], (),
                    "TP2 PP1 DP1 CP2 EP1 [SP]"),
     "cp2-dp2": (4, ["--parallel.cp", "2", "--parallel.dp-shard", "2"], (), "TP1 PP1 DP2 CP2"),
-    "cp2-qwen3-checkpointed": (2, ["--parallel.cp", "2", "--train.activation-checkpointing", "True"],
+    "cp2-qwen3-checkpointed": (2, ["--parallel.cp", "2", "--train.activation-checkpointing", "full"],
                                ("--model.family", "qwen3"), "CP2"),
     "pp2-cp2": (4, ["--parallel.cp", "2", "--parallel.pp", "2"], PP_MODEL, "TP1 PP2 DP1 CP2 EP1 [1F1B]"),
 }

@@ -86,17 +86,24 @@ def test_tied_embeddings_share_one_tensor():
     assert len(list(model.parameters())) == len(dict(model.named_parameters()))
 
 
-def test_activation_checkpointing_gives_the_same_gradients():
-    cfg = tiny()
+@pytest.mark.parametrize("mode,every", [("full", 1), ("selective", 1), ("selective", 2)])
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_activation_checkpointing_gives_the_same_gradients(mode, every, family):
+    """Recomputation replays the same ops on CPU: bitwise the same loss and gradients, MoE routing
+    (and its load statistics, counted once) included."""
+    cfg = tiny(family=family, num_experts=4 if family == "qwen3_moe" else 0, moe_intermediate_size=32)
     tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    grads = []
-    for ckpt in (False, True):
+    grads, stats = [], []
+    for ac in ("none", mode):
         model = build(cfg)
-        model.activation_checkpointing = ckpt
+        model.activation_checkpointing, model.activation_checkpointing_every = ac, every
         model(tokens).sum().backward()
         grads.append([p.grad for p in model.parameters()])
+        stats.append([m.tokens_per_expert.clone() for m in model.modules() if hasattr(m, "tokens_per_expert")])
     for g0, g1 in zip(*grads):
         torch.testing.assert_close(g0, g1, rtol=0, atol=0)
+    for s0, s1 in zip(*stats):
+        assert torch.equal(s0, s1)
 
 
 def test_tiny_model_overfits_one_batch():

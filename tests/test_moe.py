@@ -215,10 +215,11 @@ MOE_LAYOUTS = {  # name: (ranks, options, extra model options, layout line)
     "hsdp2x2-bias-balancing": (4, ["--parallel.dp-replicate", "2"], ("--model.router-bias-update-rate", "0.01"),
                                "HSDP 2x2"),
     "pp2": (2, ["--parallel.pp", "2"], ("--model.num-hidden-layers", "4", "--model.mlp-only-layers", "0"), "PP2"),
-    "pp2-dp2-checkpointed": (4, ["--parallel.pp", "2", "--train.activation-checkpointing", "True"],
+    "pp2-dp2-checkpointed": (4, ["--parallel.pp", "2", "--train.activation-checkpointing", "full"],
                              ("--model.num-hidden-layers", "4"), "PP2 DP2"),
     # expert parallel, folded over the data-parallel ranks; edp = world / (pp * ep)
     "ep2": (2, ["--parallel.ep", "2"], (), "DP2 CP1 EP2"),
+    "ep2-selective-ac": (2, ["--parallel.ep", "2", "--train.activation-checkpointing", "selective"], (), "DP2 CP1 EP2"),
     # FSDP gradients (dense over dp, experts over edp) reduced once per step, params kept gathered
     "ep2-reduce-last-unsharded": (2, ["--parallel.ep", "2", "--parallel.fsdp-accumulate", "reduce_last_unsharded"],
                                   (), "DP2 CP1 EP2"),
@@ -237,7 +238,7 @@ MOE_LAYOUTS = {  # name: (ranks, options, extra model options, layout line)
     # context parallel: the balancing loss counts whole sequences over the cp ranks. Coefficient
     # 0.1: without the cp factor on its gradient the weights then differ by ~1e-2 (checked); at 0.5
     # one near-zero embedding gradient, amplified by Adam, already differs by 4e-5 under plain dp2
-    "cp2-checkpointed": (2, ["--parallel.cp", "2", "--train.activation-checkpointing", "True"],
+    "cp2-checkpointed": (2, ["--parallel.cp", "2", "--train.activation-checkpointing", "full"],
                          AUX, "DP1 CP2 EP1"),
     "cp2-ep2-dp2-bias-balancing": (4, ["--parallel.cp", "2", "--parallel.ep", "2"],
                                    AUX + ("--model.router-bias-update-rate", "0.01"),

@@ -60,6 +60,11 @@ LAYOUTS = {
     "dp2-tp2-sp-reduce-last-unsharded": (4, ["--parallel.tp", "2", "--parallel.sp", "True",
                                              "--parallel.fsdp-accumulate", "reduce_last_unsharded"],
                                          "TP2 PP1 DP2 CP1 EP1 [SP]"),
+    # selective activation checkpointing (matmul, attention and collective outputs kept) under
+    # TP+SP, and on every other layer under FSDP
+    "tp2-sp-selective-ac": (2, ["--parallel.tp", "2", "--parallel.sp", "True", "--train.activation-checkpointing", "selective"], "TP2 PP1 DP1 CP1 EP1 [SP]"),
+    "dp2-selective-ac-every2": (2, ["--parallel.dp-shard", "2", "--train.activation-checkpointing", "selective", "--train.activation-checkpointing-every", "2"],
+                                "TP1 PP1 DP2"),
 }
 
 
@@ -118,7 +123,7 @@ QWEN3_TP2_SP_HSDP = train_job("parallel/qwen3-tp2-sp-hsdp", 8, ["--parallel.tp",
 QWEN3_TP2 = train_job("parallel/qwen3-tp2", 2, ["--parallel.tp", "2"], QWEN3)
 TIED = ("--model.tie-word-embeddings", "True")
 TIED_AC_FSDP2 = train_job("parallel/tied-ac-fsdp2", 2, ["--parallel.dp-shard", "2"],
-                          TIED + ("--train.activation-checkpointing", "True"))
+                          TIED + ("--train.activation-checkpointing", "full"))
 
 
 @pytest.mark.job(QWEN3_TP2_SP_HSDP)
@@ -156,6 +161,7 @@ PIPELINE_LAYOUTS = {  # name: (ranks, options, layout line, rank 0's stages)
     "pp2-zbv-dp2": (4, V2 + ["--parallel.pp-schedule", "ZBVZeroBubble", "--train.micro-batch-size", "1"],
                     "TP1 PP2 DP2", [0, 3]),
     "pp2-dp2-tp2": (8, PP + ["--parallel.tp", "2"], "TP2 PP2 DP2 CP1 EP1 [1F1B]", [0]),
+    "pp2-selective-ac": (2, PP + ["--train.activation-checkpointing", "selective"], "TP1 PP2 DP1 CP1 EP1 [1F1B]", [0]),
 }
 
 

@@ -62,12 +62,12 @@ def test_ethernet_prefers_pipeline_over_tensor_parallel():
 
 @pytest.mark.parametrize("seq,cp", [(4096, 1), (16384, 2), (65536, 4)])
 def test_long_sequences_add_context_parallel(seq, cp):
-    p, _ = plan(params="8b", gpus=64, seq_len=seq, activation_checkpointing="on")
+    p, _ = plan(params="8b", gpus=64, seq_len=seq, activation_checkpointing="full")
     assert p.sizes.cp == cp and p.sizes.sp
 
 
 def test_the_biggest_dense_row_adds_cp2():
-    p, _ = plan(params="405b", gpus=1024, activation_checkpointing="on")
+    p, _ = plan(params="405b", gpus=1024, activation_checkpointing="full")
     assert p.sizes.tp == 8 and 8 <= p.sizes.pp <= 16 and p.sizes.cp == 2
 
 
@@ -153,10 +153,10 @@ def test_headline_70b_fp16_without_parallelism():
 def test_sp_cp_and_checkpointing_shrink_activations_as_stated():
     s = shape_from_count(70e9, None, 0, 0)
     base = Sizes(world=8, tp=8)
-    no_sp = layer_activation_elements(s, 0, base, 4096, False)
-    sp = layer_activation_elements(s, 0, dataclasses.replace(base, sp=True), 4096, False)
-    cp2 = layer_activation_elements(s, 0, dataclasses.replace(base, sp=True, cp=2), 4096, False)
-    ac = layer_activation_elements(s, 0, dataclasses.replace(base, sp=True), 4096, True)
+    no_sp = layer_activation_elements(s, 0, base, 4096, "none")
+    sp = layer_activation_elements(s, 0, dataclasses.replace(base, sp=True), 4096, "none")
+    cp2 = layer_activation_elements(s, 0, dataclasses.replace(base, sp=True, cp=2), 4096, "none")
+    ac = layer_activation_elements(s, 0, dataclasses.replace(base, sp=True), 4096, "full")
     T, h = 4096, s.hidden_size
     assert no_sp - sp == pytest.approx(2 * T * h * (1 - 1 / 8))
     assert cp2 == pytest.approx(sp / 2) and ac == pytest.approx(T * h / 8)
@@ -182,10 +182,64 @@ def test_activation_formula_matches_what_autograd_saves(family):
     x = torch.randn(2, 128, 256, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model.layers["0"](x, model.rope_cos, model.rope_sin)
-    formula = layer_activation_elements(shape_from_model_config(cfg, family), 0, Sizes(world=1), 2 * 128, False,
+    formula = layer_activation_elements(shape_from_model_config(cfg, family), 0, Sizes(world=1), 2 * 128, "none",
                                         fused_norm=False) * 4
     # what the formula leaves out: RMSNorm's rstd and SDPA's logsumexp (one number per row)
     assert sum(saved.values()) == pytest.approx(formula, rel=0.01)
+
+
+def kept_for_backward(layer, x: torch.Tensor, *args) -> int:
+    """Bytes of the tensors a layer's forward leaves alive (what autograd and selective
+    checkpointing keep for backward), found as every tensor the forward created that is still
+    referenced once it returns; the input, which the caller keeps, is added; weights and the RoPE
+    tables are not counted."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    created = []
+
+    class Track(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            created.extend(weakref.ref(t) for t in (out if isinstance(out, (tuple, list)) else [out])
+                           if isinstance(t, torch.Tensor))
+            return out
+
+    skip = {t.untyped_storage().data_ptr() for t in [*layer.parameters(), *args]}
+    with Track():
+        out = layer(x, *args)
+    skip.add(out.untyped_storage().data_ptr())
+    alive = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for r in created if (t := r()) is not None}
+    kept = sum(n for ptr, n in alive.items() if ptr not in skip) + x.untyped_storage().nbytes()
+    out.sum().backward()
+    return kept
+
+
+@pytest.mark.parametrize("family,ac", [("llama", "none"), ("llama", "full"), ("llama", "selective"),
+                                       ("qwen3", "selective"), ("qwen3_moe", "selective")])
+def test_activation_formula_matches_what_a_checkpointed_layer_keeps(family, ac):
+    """none, full and selective checkpointing (models/checkpointing.py) of one decoder layer on CPU
+    against the per-layer formula (composite RMSNorm)."""
+    moe = dict(num_experts=4, moe_intermediate_size=192) if family == "qwen3_moe" else {}
+    cfg = ModelConfig(family=family, hidden_size=256, intermediate_size=768, num_hidden_layers=1,
+                      num_attention_heads=8, num_key_value_heads=2, vocab_size=512, **moe)
+    model = Transformer(cfg)
+    init_weights(model, 0)
+    model.activation_checkpointing = ac
+    x = torch.randn(2, 128, 256, requires_grad=True)
+
+    def layer(h, cos, sin):  # through the model's own dispatch of checkpointing
+        from meshtrain.models.checkpointing import run_layer
+
+        return run_layer(model.layers["0"], 0, ac, 1, h, cos, sin)
+
+    layer.parameters = model.layers["0"].parameters
+    kept = kept_for_backward(layer, x, model.rope_cos, model.rope_sin)
+    formula = layer_activation_elements(shape_from_model_config(cfg, family), 0, Sizes(world=1), 2 * 128, ac,
+                                        fused_norm=False) * 4
+    # what the formula leaves out: RMSNorm's rstd, SDPA's logsumexp, routing indices (a number per row)
+    assert kept == pytest.approx(formula, rel=0.03), (kept, formula)
 
 
 def test_parameter_inventory_equals_the_model():
@@ -256,7 +310,7 @@ def test_estimate_is_the_busiest_pipeline_rank():
     sizes = Sizes(world=2, pp=2, stage_layers=(2, 2))
     for seq in (32, 4096):
         cfg = PlanConfig(params=None, seq_len=seq, micro_batch_size=1, precision="fp32")
-        m = estimate(s, sizes, cfg, "1F1B", 2, False)
+        m = estimate(s, sizes, cfg, "1F1B", 2, "none")
         first = rank_parameters(s, sizes, "1F1B", pp_rank=0) * 16 + 2 * 2 * m.activations_per_layer
         last_params = rank_parameters(s, sizes, "1F1B", pp_rank=1)
         last = last_params * 16 + 2 * m.activations_per_layer + seq * s.vocab_size * (4 + 8)

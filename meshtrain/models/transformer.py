@@ -17,9 +17,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
-
 from meshtrain.config import ModelConfig, RopeScalingConfig
+from meshtrain.models.checkpointing import run_layer
 from meshtrain.models.moe import MoE
 
 
@@ -134,7 +133,8 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.activation_checkpointing = False
+        self.activation_checkpointing = "none"  # or "full" / "selective" (models/checkpointing.py)
+        self.activation_checkpointing_every = 1
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -150,11 +150,9 @@ class Transformer(nn.Module):
         without the output head returns them."""
         cos, sin = self.rope_cos, self.rope_sin
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
-        for layer in self.layers.values():
-            if self.activation_checkpointing and torch.is_grad_enabled():
-                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
-            else:
-                h = layer(h, cos, sin)
+        for index, layer in self.layers.items():
+            h = run_layer(layer, int(index), self.activation_checkpointing, self.activation_checkpointing_every,
+                          h, cos, sin)
         if self.lm_head is None:
             return h
         return self.lm_head(self.norm(h))

@@ -31,6 +31,7 @@ def build_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device, stage:
     if stage is not None:
         split_for_stage(model, stage, stage_layer_counts_for(cfg))
     model.activation_checkpointing = cfg.train.activation_checkpointing
+    model.activation_checkpointing_every = cfg.train.activation_checkpointing_every
     if mesh.size("tp") > 1:
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=cfg.parallel.sp,
                               loss_parallel=cfg.parallel.loss_parallel)

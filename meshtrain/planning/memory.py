@@ -132,7 +132,7 @@ def trainer_rank_state(cfg: JobConfig, layout, *, pp_rank: int, tp_rank: int, fs
             "optimizer_bytes": n * prec.optimizer}
 
 
-def layer_activation_elements(s: ModelShape, layer: int, sizes: Sizes, tokens: int, checkpointed: bool,
+def layer_activation_elements(s: ModelShape, layer: int, sizes: Sizes, tokens: int, ac: str,
                               fused_norm: bool = True) -> float:
     """Elements autograd keeps for one micro-batch of ``tokens`` (= micro * seq) through ``layer``.
 
@@ -146,15 +146,30 @@ def layer_activation_elements(s: ModelShape, layer: int, sizes: Sizes, tokens: i
       SwiGLU gate, up, silu(gate), their product:          4 T i / t
       MoE instead: top-k copies of the token (h), 4 i_e and the expert output (h) per copy, / etp
     A fused RMSNorm kernel (CUDA) saves its input and rstd; the composite one (CPU) also saves the
-    normalized input (``fused_norm=False``). With full activation checkpointing only the layer input
-    T h (/ t with SP) is kept.
+    normalized input (``fused_norm=False``). ``ac`` (train.activation_checkpointing): with full
+    checkpointing only the layer input T h (/ t with SP) is kept; selective keeps the input and the
+    outputs of the matmuls, attention and collectives (models/checkpointing.py):
+      q, k, v and the attention output:                   T (2 q + 2 kv) / t
+      o_proj and down_proj outputs (whole per tp rank):   2 T h
+      gate and up outputs:                                2 T i / t
+      MoE instead of gate/up/down: the router's logits T E, and per routed copy 2 i_e / etp + h
     """
     t, T, h = sizes.tp, tokens / sizes.cp, s.hidden_size
     split = t if sizes.sp else 1
-    if checkpointed:
-        return T * h / split
-    copies = 1 if fused_norm else 2
     q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    if ac == "full":
+        return T * h / split
+    if ac == "selective":
+        elements = T * h / split + T * (2 * q + 2 * kv) / t + T * h
+        if s.is_sparse(layer):
+            k, ei = s.experts_per_token, s.expert_intermediate_size
+            elements += T / split * (s.num_experts + k * (2 * ei / sizes.etp + h))
+            if s.shared_expert_intermediate_size:
+                elements += 2 * T * s.shared_expert_intermediate_size / t + T * h
+        else:
+            elements += 2 * T * s.intermediate_size / t + T * h
+        return elements
+    copies = 1 if fused_norm else 2
     attn = 2 * q + 2 * kv + ((q + kv) * copies if s.qk_norm else 0)
     elements = 2 * copies * T * h / split + 2 * T * h + T * attn / t
     if s.is_sparse(layer):
@@ -193,7 +208,8 @@ class Memory:
     logits: float
     in_flight: float
     layers_on_rank: int
-    checkpointed: bool
+    ac: str
+    """train.activation_checkpointing: none, full or selective."""
     pp_rank: int = 0
 
     @property
@@ -233,7 +249,7 @@ def sizes_of(layout) -> Sizes:
 
 
 def estimate(s: ModelShape, sizes: Sizes, cfg: PlanConfig, schedule: str, microbatches: int,
-             checkpointed: bool) -> Memory:
+             ac: str) -> Memory:
     prec = precision_of(cfg)
     tokens = cfg.micro_batch_size * cfg.seq_len
     best: Memory | None = None
@@ -241,17 +257,17 @@ def estimate(s: ModelShape, sizes: Sizes, cfg: PlanConfig, schedule: str, microb
         stages = stage_ids_of(pp_rank, sizes, schedule)
         layers = [t.layer for t in stage_tensors(parameter_tensors(s), s, sizes, stages) if t.layer is not None]
         layer_ids = sorted(set(layers))
-        per_layer = [layer_activation_elements(s, i, sizes, tokens, checkpointed) for i in layer_ids]
+        per_layer = [layer_activation_elements(s, i, sizes, tokens, ac) for i in layer_ids]
         flight = in_flight_microbatches(sizes, schedule, microbatches, pp_rank)
         act = sum(per_layer) * flight * prec.activations
-        if checkpointed and layer_ids:  # one layer is recomputed whole at a time in backward
-            act += layer_activation_elements(s, layer_ids[0], sizes, tokens, False) * prec.activations
+        if ac != "none" and layer_ids:  # one layer is recomputed at a time in backward (at most all of it)
+            act += layer_activation_elements(s, layer_ids[0], sizes, tokens, "none") * prec.activations
         last = (sizes.pp * sizes.vpp - 1) in stages
         # logits (compute dtype) + their fp32 copy + log-softmax output, vocab-sharded by tp (loss_parallel)
         logits = tokens / sizes.cp * s.vocab_size / sizes.tp * (prec.activations + 8) if last else 0.0
         m = Memory(rank_parameters(s, sizes, schedule, pp_rank=pp_rank),
                    rank_parameters(s, sizes, schedule, pp_rank=pp_rank, fsdp=False), prec, act,
-                   (per_layer[0] if per_layer else 0) * prec.activations, logits, flight, len(layer_ids), checkpointed,
+                   (per_layer[0] if per_layer else 0) * prec.activations, logits, flight, len(layer_ids), ac,
                    pp_rank)
         if best is None or m.total > best.total:
             best = m

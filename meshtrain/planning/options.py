@@ -40,8 +40,8 @@ class PlanConfig:
     optimizer_states: Literal["fp32", "half"] = "fp32"
     """With 16-bit weights: fp32 Adam moments plus an fp32 master copy (12 B/param), or 16-bit moments
     and no master copy (4 B/param)."""
-    activation_checkpointing: Literal["auto", "on", "off"] = "auto"
-    """auto: off unless the layout does not fit without it."""
+    activation_checkpointing: Literal["auto", "none", "selective", "full"] = "auto"
+    """auto: none unless the layout does not fit without it, then selective, then full."""
     tp: int | None = None
     """Fix a size instead of letting the planner choose (likewise pp, vpp, cp, ep)."""
     pp: int | None = None

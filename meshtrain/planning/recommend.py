@@ -218,7 +218,8 @@ def recommend(cfg: PlanConfig, shape: ModelShape | None = None, *, suggest_gpus:
     check_fixed_sizes(cfg)
     groups, reasons = candidate_sizes(s, cfg, params, active)
     budget = cfg.gpu_memory_gb * GB * USABLE_MEMORY
-    checkpointing = {"on": [True], "off": [False], "auto": [False, True]}[cfg.activation_checkpointing]
+    checkpointing = {"full": ["full"], "selective": ["selective"], "none": ["none"],
+                     "auto": ["none", "selective", "full"]}[cfg.activation_checkpointing]
     rejected: list[str] = []
     indivisible: list[str] = []
     smallest: Plan | None = None
@@ -237,8 +238,8 @@ def recommend(cfg: PlanConfig, shape: ModelShape | None = None, *, suggest_gpus:
             mem = estimate(s, sized, cfg, schedule, micro, ac)
             plan = Plan(s, sized, schedule, micro, gb, mem, list(reasons), rejected)
             if mem.total <= budget:
-                if ac and cfg.activation_checkpointing == "auto":
-                    plan.reasons.append("activation checkpointing turned on: no candidate fits without it")
+                if ac != "none" and cfg.activation_checkpointing == "auto":
+                    plan.reasons.append(f"{ac} activation checkpointing turned on: no candidate fits with less")
                 if index > 0:
                     plan.reasons.append("nothing inside the table's ranges fits in memory: "
                                         + ("PP" if index == 1 else "TP") + " raised beyond them")
@@ -257,7 +258,7 @@ def recommend(cfg: PlanConfig, shape: ModelShape | None = None, *, suggest_gpus:
     raise ConfigError(
         f"{s.name} does not fit on {cfg.gpus} GPUs of {cfg.gpu_memory_gb:g} GB: the smallest estimate is "
         f"{smallest.memory.total / GB:.1f} GB per GPU ({smallest.describe()}, "
-        f"activation checkpointing {'on' if smallest.memory.checkpointed else 'off'}). Fix: "
+        f"activation checkpointing {smallest.memory.ac}). Fix: "
         + (f"use at least {need} GPUs" if need else "use more GPUs") + ", a shorter --seq-len, or --precision bf16 "
         "--optimizer-states half")
 

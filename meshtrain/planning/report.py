@@ -16,7 +16,7 @@ from meshtrain.planning.shapes import active_parameters, format_count, resolve, 
 def unsharded(plan: Plan, cfg: PlanConfig) -> Memory:
     """The same model with no parallelism at all: one device holds everything."""
     one = Sizes(world=1, stage_layers=(plan.shape.num_layers,))
-    return estimate(plan.shape, one, cfg, "1F1B", 1, plan.memory.checkpointed)
+    return estimate(plan.shape, one, cfg, "1F1B", 1, plan.memory.ac)
 
 
 def report(plan: Plan, cfg: PlanConfig) -> str:
@@ -44,8 +44,8 @@ def report(plan: Plan, cfg: PlanConfig) -> str:
     if z.stage_layers and len(set(z.stage_layers)) > 1:
         overrides.append("--parallel.pp-layers-per-stage " + " ".join(map(str, z.stage_layers)))
     overrides.append(f"--train.global-batch-size {plan.global_batch} --train.micro-batch-size {cfg.micro_batch_size}")
-    if m.checkpointed:
-        overrides.append("--train.activation-checkpointing True")
+    if m.ac != "none":
+        overrides.append(f"--train.activation-checkpointing {m.ac}")
     lines.append("  meshtrain train " + " ".join(overrides))
     lines.append("why:")
     lines += [f"  - {r}" for r in plan.reasons]
@@ -75,13 +75,14 @@ def report(plan: Plan, cfg: PlanConfig) -> str:
                  "and by what tp does not shard (norms, the gathered SP inputs)")
 
     variants = []
-    for label, sp, ac in (("no SP, no AC", False, False), ("SP", True, False), ("full AC", z.sp, True)):
+    for label, sp, ac in (("no SP, no AC", False, "none"), ("SP", True, "none"), ("selective AC", z.sp, "selective"),
+                          ("full AC", z.sp, "full")):
         if sp and z.tp == 1:
             continue
         alt = estimate(s, dataclasses.replace(z, sp=sp), cfg, plan.schedule, plan.microbatches, ac)
         variants.append(f"{label}: {alt.activations / scale:.2f}")
     if z.cp == 1 and cfg.seq_len % 4 == 0:
-        alt = estimate(s, dataclasses.replace(z, cp=2), cfg, plan.schedule, plan.microbatches, m.checkpointed)
+        alt = estimate(s, dataclasses.replace(z, cp=2), cfg, plan.schedule, plan.microbatches, m.ac)
         variants.append(f"CP2: {alt.activations / scale:.2f}")
     lines.append(f"  activations per GPU ({unit}) by option: " + "; ".join(variants)
                  + (f"; CP{z.cp} divides every term by {z.cp}" if z.cp > 1 else ""))
