@@ -213,6 +213,9 @@ class TrainConfig:
     """Recompute activations in backward instead of storing them. full: keep each layer's input
     only; selective: keep the matmul, attention and collective outputs and recompute the cheap ops
     (about half the activations of none, for little extra compute)."""
+    compile: bool = False
+    """torch.compile each decoder layer (inductor), after TP and before FSDP, as torchtitan does. Off
+    until measured on GPU: on CPU it costs tens of seconds of compilation per rank for no gain."""
     activation_checkpointing_every: int = 1
     """Checkpoint one decoder layer in every this many (by global index); the others keep all."""
     run_dir: str = "runs/default"

@@ -39,9 +39,13 @@ def run_layout(batches, job: Job) -> dict:
     return torch.load(batches.result(job) / "out.pt", weights_only=False)
 
 
-def assert_matches_reference(got: dict, ref: dict) -> None:
-    torch.testing.assert_close(got["losses"], ref["losses"], rtol=LOSS_RTOL, atol=0)
-    torch.testing.assert_close(got["grad_norms"], ref["grad_norms"], rtol=LOSS_RTOL, atol=0)
+COMPILED_RTOL = 1e-4
+"""Compiled layers against the eager reference: inductor's fused kernels sum in another order."""
+
+
+def assert_matches_reference(got: dict, ref: dict, rtol: float = LOSS_RTOL) -> None:
+    torch.testing.assert_close(got["losses"], ref["losses"], rtol=rtol, atol=0)
+    torch.testing.assert_close(got["grad_norms"], ref["grad_norms"], rtol=rtol, atol=0)
     assert got["state"].keys() == ref["state"].keys()
     for name, want in ref["state"].items():
         torch.testing.assert_close(got["state"][name], want, rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL, msg=name)
@@ -63,6 +67,8 @@ LAYOUTS = {
     # selective activation checkpointing (matmul, attention and collective outputs kept) under
     # TP+SP, and on every other layer under FSDP
     "tp2-sp-selective-ac": (2, ["--parallel.tp", "2", "--parallel.sp", "True", "--train.activation-checkpointing", "selective"], "TP2 PP1 DP1 CP1 EP1 [SP]"),
+    # torch.compile per layer (inductor on CPU), under FSDP
+    "dp2-compiled": (2, ["--parallel.dp-shard", "2", "--train.compile", "True"], "TP1 PP1 DP2"),
     "dp2-selective-ac-every2": (2, ["--parallel.dp-shard", "2", "--train.activation-checkpointing", "selective", "--train.activation-checkpointing-every", "2"],
                                 "TP1 PP1 DP2"),
 }
@@ -112,7 +118,7 @@ def test_layout_equals_single_rank(batches, name):
     nproc, layout, line = LAYOUTS[name]
     got = run_layout(batches, JOBS[name])
     assert line in got["layout"]
-    assert_matches_reference(got, reference(()))
+    assert_matches_reference(got, reference(()), COMPILED_RTOL if "compiled" in name else LOSS_RTOL)
     expected_collectives(name, got["comm_counts"])
 
 
@@ -161,6 +167,7 @@ PIPELINE_LAYOUTS = {  # name: (ranks, options, layout line, rank 0's stages)
     "pp2-zbv-dp2": (4, V2 + ["--parallel.pp-schedule", "ZBVZeroBubble", "--train.micro-batch-size", "1"],
                     "TP1 PP2 DP2", [0, 3]),
     "pp2-dp2-tp2": (8, PP + ["--parallel.tp", "2"], "TP2 PP2 DP2 CP1 EP1 [1F1B]", [0]),
+    "pp2-compiled": (2, PP + ["--train.compile", "True"], "TP1 PP2 DP1 CP1 EP1 [1F1B]", [0]),
     "pp2-selective-ac": (2, PP + ["--train.activation-checkpointing", "selective"], "TP1 PP2 DP1 CP1 EP1 [1F1B]", [0]),
 }
 
@@ -183,7 +190,9 @@ def test_pipeline_layout_equals_single_rank(batches, name):
     nproc, layout, line, stages = PIPELINE_LAYOUTS[name]
     got = run_layout(batches, PIPELINE_JOBS[name])
     assert line in got["layout"]
-    assert_matches_reference(got, reference(PP_MODEL))
+    assert_matches_reference(got, reference(PP_MODEL), COMPILED_RTOL if "compiled" in name else LOSS_RTOL)
+    if "compiled" in name:
+        return  # not counted: dynamo does not trace under the counter's dispatch mode
     cfg = parse(JobConfig, TINY + list(PP_MODEL) + layout, "check")
     dp = nproc // (2 * cfg.parallel.tp)
     microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)

@@ -39,6 +39,8 @@ def build_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device, stage:
         for module in model.modules():
             if isinstance(module, MoE):
                 parallelize_module(module.experts, mesh.expert_grid, ExpertParallel())
+    if cfg.train.compile:
+        compile_layers(model)
     apply_fsdp(model, mesh, mixed_precision=cfg.train.mixed_precision,
                reshard_after_forward=reshard_after_forward(cfg.parallel.fsdp_reshard_after_forward, mesh.size("pp")))
     if mesh.size("dp_cp") == 1 and cfg.train.mixed_precision == "bf16":
@@ -48,6 +50,15 @@ def build_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device, stage:
     if initialize:
         init_weights(model, cfg.train.seed)
     return model
+
+
+def compile_layers(model: Transformer) -> None:
+    """torch.compile each decoder layer's forward (parameter names unchanged; the module's own
+    hooks, FSDP's among them, stay outside the graph and run eagerly around it). Dense layers
+    compile whole (fullgraph); an MoE layer's routing has data-dependent shapes (bincount, nonzero,
+    uneven all-to-all), so dynamo splits it into graphs around them."""
+    for layer in model.layers.values():
+        layer.forward = torch.compile(layer.forward, fullgraph=not isinstance(layer.mlp, MoE))
 
 
 def stage_layer_counts_for(cfg: JobConfig) -> tuple[int, ...]:
