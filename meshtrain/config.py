@@ -216,6 +216,9 @@ class TrainConfig:
     compile: bool = False
     """torch.compile each decoder layer (inductor), after TP and before FSDP, as torchtitan does. Off
     until measured on GPU: on CPU it costs tens of seconds of compilation per rank for no gain."""
+    float8: bool = False
+    """Float8 training of the decoder's linear layers through torchao (CUDA with float8 tensor cores,
+    H100/H200 class; the optional torchao extra). The embedding and lm_head stay in the compute dtype."""
     activation_checkpointing_every: int = 1
     """Checkpoint one decoder layer in every this many (by global index); the others keep all."""
     run_dir: str = "runs/default"

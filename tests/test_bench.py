@@ -2,6 +2,7 @@
 They assert what a run must produce, never how fast it was."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -74,3 +75,18 @@ def test_compare_bench_sets_every_layout_beside_its_minimum(tmp_path):
     for name, ranks in result["memory"].items():
         assert all(r["ratio"] == pytest.approx(1.0, rel=0.02) for r in ranks), name
     assert "| tp2 | TP | all_reduce" in (tmp_path / "compare.md").read_text()
+
+
+def test_gpu_check_runs_its_plumbing_at_toy_sizes_on_cpu(tmp_path):
+    """The GPU check's own run (bench/gpu_check.sh) needs a GPU; --tiny runs every piece but the
+    compile row on CPU: transformers' eager loop, meshtrain's jobs, the table, a refusal reported."""
+    cmd = [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--tiny", "--variants",
+           "meshtrain eager,meshtrain compile+float8", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    for model in ("llama-1.2b (tiny)", "qwen3-moe-small (tiny)"):
+        jobs = result[model]
+        assert jobs["transformers eager"]["tokens_per_s"] > 0 and jobs["meshtrain eager"]["tokens_per_s"] > 0
+        assert "needs CUDA float8 tensor cores" in jobs["meshtrain compile+float8"]["refused"]
+    assert "| llama-1.2b (tiny) | meshtrain eager |" in (tmp_path / "gpu_check.md").read_text()

@@ -20,9 +20,10 @@ from meshtrain.hf.adapter import resolve_init_from_hf
 from meshtrain.hf.io import check_export_target
 from meshtrain.parallel.layout import Layout, plan_layout
 from meshtrain.parallel.mesh import build_mesh
-from meshtrain.parallel.runtime import (Runtime, collective_error, init_distributed, is_collective_failure, shutdown,
-                                        world_size_from_env)
+from meshtrain.parallel.runtime import (Runtime, collective_error, device_type_from_env, init_distributed,
+                                        is_collective_failure, shutdown, world_size_from_env)
 from meshtrain.run_dir import check_writable, describe_write_error, run_dir_lock
+from meshtrain.models.float8 import check_float8
 from meshtrain.telemetry import flight_recorder
 from meshtrain.telemetry.backends import check_installed
 from meshtrain.trainer import Trainer
@@ -51,6 +52,8 @@ def resolve(cfg: JobConfig) -> JobConfig:
     if c.resume not in ("auto", "never"):
         check_architecture(read_meta(pathlib.Path(c.resume)), cfg.model, pathlib.Path(c.resume))
     check_installed(cfg.logging)
+    if cfg.train.float8:
+        check_float8(device_type_from_env(), cfg.parallel.tp)
     check_writable(cfg.train.run_dir, "train.run_dir")
     if c.dir:
         check_writable(c.dir, "checkpoint.dir")

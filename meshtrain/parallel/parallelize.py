@@ -11,6 +11,7 @@ import torch
 from torch.distributed.tensor.parallel import parallelize_module
 
 from meshtrain.config import JobConfig
+from meshtrain.models.float8 import convert_to_float8
 from meshtrain.models.initialize import init_weights
 from meshtrain.models.moe import MoE
 from meshtrain.models.transformer import Transformer
@@ -30,6 +31,8 @@ def build_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device, stage:
         model = Transformer(cfg.model)
     if stage is not None:
         split_for_stage(model, stage, stage_layer_counts_for(cfg))
+    if cfg.train.float8:
+        convert_to_float8(model)
     model.activation_checkpointing = cfg.train.activation_checkpointing
     model.activation_checkpointing_every = cfg.train.activation_checkpointing_every
     if mesh.size("tp") > 1:

@@ -1,0 +1,168 @@
+"""The GPU check: one prepared run for a lent single GPU (H100/H200), in under 8 minutes.
+
+    bash bench/gpu_check.sh                  # on the GPU machine; prints the table, writes runs/gpu_check/
+    python bench/gpu_check.py --tiny         # the same plumbing on CPU at toy sizes (what the tests run)
+
+1-rank bf16 training of a ~1.2B Llama and a small Qwen3-MoE (the grouped_mm expert path), meshtrain
+eager vs train.compile vs compile + train.float8, beside transformers' eager training of the same
+model (AutoModelForCausalLM from meshtrain's config.json, sdpa attention, the same AdamW), each in its
+own process one after the other. The table gives median tokens/s after warm-up, MFU and peak memory.
+A variant meshtrain refuses by design (compile for MoE, float8 off CUDA) shows the refusal; any other
+failure exits non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+MODELS = {  # meshtrain model options, full size and --tiny
+    "llama-1.2b": ({"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 16,
+                    "num_key_value_heads": 8, "vocab_size": 32768, "max_position_embeddings": 2048},
+                   {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                    "num_key_value_heads": 2, "vocab_size": 384, "max_position_embeddings": 64}),
+    "qwen3-moe-small": ({"family": "qwen3_moe", "hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 8,
+                         "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64, "num_experts": 16,
+                         "num_experts_per_tok": 2, "moe_intermediate_size": 1024, "vocab_size": 32768,
+                         "max_position_embeddings": 2048},
+                        {"family": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                         "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
+                         "moe_intermediate_size": 32, "vocab_size": 384, "max_position_embeddings": 64}),
+}
+VARIANTS = {"meshtrain eager": [], "meshtrain compile": ["--train.compile", "True"],
+            "meshtrain compile+float8": ["--train.compile", "True", "--train.float8", "True"]}
+
+
+def options(model: dict) -> list[str]:
+    return [arg for k, v in model.items() for arg in (f"--model.{k.replace('_', '-')}", str(v))]
+
+
+def run_meshtrain(args, model: dict, extra: list[str], run_dir: pathlib.Path) -> dict:
+    cmd = [sys.executable, "-m", "meshtrain", "train", *options(model), *extra, "--train.steps", str(args.steps),
+           "--train.seq-len", str(args.seq_len), "--train.global-batch-size", str(args.batch),
+           "--train.micro-batch-size", str(args.batch), "--train.mixed-precision", args.precision,
+           "--train.run-dir", str(run_dir), "--checkpoint.resume", "never", "--logging.jsonl", "True",
+           "--logging.progress", "off", "--lr-schedule.warmup-steps", "2"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+    if proc.returncode == 2 and ("is not supported" in proc.stderr or "needs CUDA" in proc.stderr):
+        return {"refused": proc.stderr.strip().splitlines()[-1].removeprefix("meshtrain: error: ")}
+    if proc.returncode != 0:
+        raise SystemExit(f"meshtrain {' '.join(extra)} failed:\n{proc.stderr[-4000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][args.warmup:]
+    return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows),
+            "mfu": statistics.median(r["mfu"] for r in rows) if "mfu" in rows[0] else None,
+            "memory_gib": max(r["memory_gib"] for r in rows)}
+
+
+def transformers_worker(args) -> None:
+    """One process: transformers' eager training of the model meshtrain's adapter describes."""
+    import torch
+    import transformers
+
+    from meshtrain.config import ModelConfig
+    from meshtrain.hf.adapter import hf_config_from_model
+    from meshtrain.telemetry.metrics import flops_per_token, memory_gib, peak_tflops
+
+    cfg = ModelConfig(**json.loads(args.model_json))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    config = transformers.AutoConfig.for_model(**hf_config_from_model(cfg, dtype))
+    config._attn_implementation = "sdpa"
+    model = transformers.AutoModelForCausalLM.from_config(config).to(device)  # fp32 master weights
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95))
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len + 1), device=device)
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+            logits = model(tokens[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    tok_s = args.batch * args.seq_len / statistics.median(times[args.warmup:])
+    n = sum(p.numel() for p in model.parameters())
+    from meshtrain.models.transformer import count_active_parameters
+
+    per_token = flops_per_token(cfg, args.seq_len, count_active_parameters(cfg) if cfg.is_moe else n)
+    peak = peak_tflops(type("L", (), {"peak_tflops": None})(), device)
+    pathlib.Path(args.result).write_text(json.dumps({
+        "tokens_per_s": tok_s, "mfu": tok_s * per_token / 1e12 / peak if peak else None,
+        "memory_gib": memory_gib(device)}))
+
+
+def run_transformers(args, model: dict, out: pathlib.Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    result = out / "transformers.json"
+    cmd = [sys.executable, __file__, "--worker", "--model-json", json.dumps(model), "--result", str(result),
+           *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("steps", "warmup", "seq_len", "batch",
+                                                                     "precision")]]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout,
+                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    if proc.returncode != 0:
+        raise SystemExit(f"transformers eager failed:\n{proc.stderr[-4000:]}")
+    return json.loads(result.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="toy sizes (CPU): checks the plumbing, not the speed")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated meshtrain variants")
+    parser.add_argument("--out", default=str(ROOT / "runs" / "gpu_check"))
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--seq-len", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--precision", default=None)
+    parser.add_argument("--timeout", type=int, default=420)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model-json", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        transformers_worker(args)
+        return
+    args.steps = args.steps or (4 if args.tiny else 12)
+    args.warmup = min(args.warmup, args.steps - 1)
+    args.seq_len = args.seq_len or (32 if args.tiny else 2048)
+    args.batch = args.batch or (2 if args.tiny else 2)
+    args.precision = args.precision or ("fp32" if args.tiny else "bf16")
+    out = pathlib.Path(args.out)
+    rows = ["| model | job | tokens/s | vs transformers | MFU | peak memory GiB |", "|---|---|---|---|---|---|"]
+    summary = {}
+    for name, (full, tiny) in MODELS.items():
+        model = tiny if args.tiny else full
+        name += " (tiny)" if args.tiny else ""
+        results = {"transformers eager": run_transformers(args, model, out / name.split()[0])}
+        for variant in args.variants.split(","):
+            run_dir = out / name.split()[0] / variant.replace(" ", "_")
+            results[variant] = run_meshtrain(args, model, VARIANTS[variant], run_dir)
+            print(f"  {name}: {variant} done", flush=True)
+        base = results["transformers eager"]["tokens_per_s"]
+        for job, r in results.items():
+            if "refused" in r:
+                rows.append(f"| {name} | {job} | refused: {r['refused'][:140]} | - | - | - |")
+                continue
+            mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "n/a"
+            rows.append(f"| {name} | {job} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base:.2f}x | {mfu} | "
+                        f"{r['memory_gib']:.2f} |")
+        summary[name] = results
+    table = "\n".join(rows)
+    print("\n" + table)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.md").write_text(table + "\n")
+    (out / "gpu_check.json").write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

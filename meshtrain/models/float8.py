@@ -1,0 +1,46 @@
+"""Float8 training of the decoder's linear layers with torchao (``train.float8``).
+
+Each projection inside the decoder layers becomes torchao's ``Float8Linear`` (dynamic per-tensor
+scaling: inputs and weights in e4m3, gradients in e5m2; fp32 master weights stay as they are),
+before any parallelism is applied, on the meta device like the rest of the model. The embedding
+and lm_head keep the compute dtype, as torchtitan does: the output projection is the layer most
+sensitive to precision. Float8 matmuls need CUDA float8 tensor cores (``torch._scaled_mm``), so
+``check_float8`` refuses any other device before a job starts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from torch import nn
+
+from meshtrain.errors import ConfigError
+
+
+def check_float8(device_type: str, tp: int) -> None:
+    """The rules of train.float8, checked before any process group exists."""
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError("train.float8=true needs the torchao package. Fix: pip install 'meshtrain[float8]', "
+                          "or set train.float8=false")
+    if device_type != "cuda":
+        raise ConfigError(f"train.float8=true needs CUDA float8 tensor cores; this job runs on {device_type}. "
+                          "Fix: set train.float8=false, or run on H100/H200-class GPUs")
+    if tp > 1:
+        raise ConfigError(f"train.float8=true with parallel.tp={tp} is not supported (torchao's float8 TP styles "
+                          "are not wired in). Fix: set parallel.tp=1 or train.float8=false")
+
+
+def _eligible(module: nn.Module, name: str) -> bool:
+    # float8 matmuls need both dims divisible by 16; the head and the MoE routers (whose logits
+    # pick the experts) stay in the compute dtype
+    return (isinstance(module, nn.Linear) and name.startswith("layers.") and not name.endswith(".mlp.gate")
+            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+
+def convert_to_float8(model: nn.Module) -> list[str]:
+    """Swap the eligible linears for Float8Linear in place; returns their names."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    converted = [name for name, module in model.named_modules() if _eligible(module, name)]
+    convert_to_float8_training(model, config=Float8LinearConfig(), module_filter_fn=_eligible)
+    return converted
