@@ -32,6 +32,7 @@ from meshtrain.models.moe import MoE
 from meshtrain.models.transformer import count_active_parameters, count_parameters
 from meshtrain.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from meshtrain.parallel.context import sequence_sharded
+from meshtrain.parallel._torch_private import compiled_graph_count
 from meshtrain.parallel.expert import expert_parameters
 from meshtrain.parallel.fsdp import before_micro_batch
 from meshtrain.parallel.layout import resolve_schedule
@@ -71,6 +72,8 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len, self.active_params)
         self.peak_tflops = peak_tflops(cfg.logging, runtime.device)
         self.clock = PhaseClock(runtime.device)
+        self.compiled_graphs: list[int] = []
+        """With train.compile: graphs compiled by the end of each step (growth after step 1 = recompiles)."""
 
     def _build_data(self) -> BatchStream:
         """This dp rank's share of every optimizer step's batches."""
@@ -178,6 +181,8 @@ class Trainer:
             opt.zero_grad(set_to_none=True)
         expert_metrics = self.expert_load_step() if self.cfg.model.is_moe else {}
         self.clock.mark("optimizer")
+        if self.cfg.train.compile:
+            self.compiled_graphs.append(compiled_graph_count())
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
@@ -263,6 +268,12 @@ class Trainer:
                         logger.info(f"memory snapshot {path}")
                     if profiler is not None:
                         profiler.step()
+                    if len(self.compiled_graphs) > 1 and self.compiled_graphs[-1] > self.compiled_graphs[-2]:
+                        logger.info(f"torch.compile recompiled during step {self.step}: {self.compiled_graphs[-1]} "
+                                    f"graphs, {self.compiled_graphs[-2]} before (shapes or guards changed)")
+            if self.compiled_graphs:
+                logger.info(f"torch.compile: {self.compiled_graphs[0]} graph(s) compiled in the first step, "
+                            f"{self.compiled_graphs[-1] - self.compiled_graphs[0]} recompiled after it")
             if cfg.profiling.trace:
                 trace = self.run_dir / "profile" / f"rank{rank}.json"
                 logger.info(f"profiler trace {trace} (one per rank; open in https://ui.perfetto.dev)" if trace.is_file()

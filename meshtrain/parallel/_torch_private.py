@@ -6,7 +6,8 @@ dim already did (experts over edp after ep) only as ``_StridedShard``, and gloo'
 options (the only way to give a DeviceMesh's groups a timeout) only as ``ProcessGroupGloo._Options``,
 and the flight recorder's record of collectives (gloo and NCCL alike, filled when
 TORCH_FR_BUFFER_SIZE is set before a group is made) only as ``_dump_fr_trace_json``, and
-CUDA memory snapshots only as ``torch.cuda.memory._record_memory_history`` / ``_dump_snapshot``
+CUDA memory snapshots only as ``torch.cuda.memory._record_memory_history`` / ``_dump_snapshot``,
+and the number of graphs torch.compile made only as dynamo's ``counters``
 (checked against torch 2.13.0). Everything else goes through this file, so a torch upgrade that makes them public (or
 changes them) is a one-file change.
 """
@@ -59,3 +60,10 @@ def record_cuda_memory_history(max_entries: int) -> None:
 def dump_cuda_memory_snapshot(path: str) -> None:
     """Write the recorded allocations as a pickle that https://pytorch.org/memory_viz opens."""
     torch.cuda.memory._dump_snapshot(path)
+
+
+def compiled_graph_count() -> int:
+    """Graphs torch.compile has made in this process so far (dynamo's own counter)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]

@@ -44,5 +44,6 @@ def run(args, out, runtime) -> None:
             "grad_norms": [m["grad_norm"] for m in history],
             "state": state,
             "comm_counts": dict(comm.counts),
+            "compiled_graphs": trainer.compiled_graphs,
             "comm_counts_step2": dict(comm2.counts),
         }, out / "out.pt")
