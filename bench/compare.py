@@ -21,6 +21,7 @@ and set beside the analytic minimum of that parallelism, formula shown.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -28,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -40,16 +42,23 @@ LAYOUTS = {
     "dp2 reduce_last": (2, {"dp_shard": 2, "fsdp_accumulate": "reduce_last"}, False),
     "dp2 reduce_last_unsharded": (2, {"dp_shard": 2, "fsdp_accumulate": "reduce_last_unsharded"}, False),
     "tp2": (2, {"tp": 2}, False),
+    "1 rank selective AC": (1, {}, False),
+    "1 rank full AC": (1, {}, False),
+    "1 rank compiled": (1, {}, False),
     "tp2+sp": (2, {"tp": 2, "sp": True}, False),
     "pp2": (2, {"pp": 2, "pp_schedule": "1F1B"}, False),
     "cp2": (2, {"cp": 2}, False),
     "ep2": (2, {"ep": 2}, True),
 }
-THROUGHPUT = ["1 rank", "dp2", "dp2 reduce_last", "dp2 reduce_last_unsharded", "tp2", "pp2"]
+THROUGHPUT = ["1 rank", "1 rank selective AC", "1 rank full AC", "1 rank compiled", "dp2", "dp2 reduce_last",
+              "dp2 reduce_last_unsharded", "tp2", "pp2"]
+# The options that are train settings rather than layouts, beside "1 rank" (their baseline).
+TRAIN_OPTIONS = {"1 rank selective AC": {"activation_checkpointing": "selective"},
+                 "1 rank full AC": {"activation_checkpointing": "full"}, "1 rank compiled": {"compile": True}}
 COMMUNICATION = ["dp2", "dp2 reduce_last", "dp2 reduce_last_unsharded", "tp2", "tp2+sp", "pp2", "cp2", "ep2"]
 
 
-def job_config(args: argparse.Namespace, parallel: dict, moe: bool):
+def job_config(args: argparse.Namespace, parallel: dict, moe: bool, train: dict | None = None):
     from meshtrain.config import JobConfig
     from meshtrain.config_files import from_dict
 
@@ -64,7 +73,8 @@ def job_config(args: argparse.Namespace, parallel: dict, moe: bool):
         "parallel": parallel,
         "train": {"global_batch_size": args.global_batch, "micro_batch_size": args.micro_batch,
                   "seq_len": args.seq_len, "steps": args.warmup + args.steps + 1,
-                  "mixed_precision": "bf16" if args.dtype == "bf16" else "fp32", "run_dir": args.run_dir},
+                  "mixed_precision": "bf16" if args.dtype == "bf16" else "fp32", "run_dir": args.run_dir,
+                  **(train or {})},
         "optimizer": {"lr": 1e-4},
         "logging": {"progress": "off", "jsonl": False, "peak_tflops": args.peak_tflops},
     })
@@ -85,7 +95,7 @@ def meshtrain_worker(args: argparse.Namespace) -> None:
     from meshtrain.trainer import Trainer
 
     ranks, parallel, moe = LAYOUTS[args.layout]
-    cfg = resolve(job_config(args, parallel, moe))
+    cfg = resolve(job_config(args, parallel, moe, TRAIN_OPTIONS.get(args.layout)))
     layout = plan_layout(cfg, ranks)
     runtime = init_distributed(cfg.parallel.timeout_s)
     try:
@@ -93,7 +103,9 @@ def meshtrain_worker(args: argparse.Namespace) -> None:
         for _ in range(args.warmup):
             trainer.train_step()
         times = [trainer.train_step()["step_time_s"] for _ in range(args.steps)]
-        with CollectiveCounter() as comm:
+        # dynamo does not trace under the counter's dispatch mode: a compiled job's step goes uncounted
+        uncounted = contextlib.nullcontext(types.SimpleNamespace(counts={}, bytes={}))
+        with uncounted if cfg.train.compile else CollectiveCounter() as comm:
             trainer.train_step()
         coords = mesh_coordinates(trainer.mesh)
         mine = {"calls": dict(comm.counts), "bytes": dict(comm.bytes), "coords": coords,

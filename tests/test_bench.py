@@ -58,8 +58,10 @@ def test_compare_bench_sets_every_layout_beside_its_minimum(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "compare.json").read_text())
     speed = result["throughput"]
-    assert set(speed) == {"transformers 1 rank", "meshtrain 1 rank", "meshtrain dp2", "meshtrain dp2 reduce_last",
-                          "meshtrain dp2 reduce_last_unsharded", "meshtrain tp2", "meshtrain pp2"}
+    assert set(speed) == {"transformers 1 rank", "meshtrain 1 rank", "meshtrain 1 rank selective AC",
+                          "meshtrain 1 rank full AC", "meshtrain 1 rank compiled", "meshtrain dp2",
+                          "meshtrain dp2 reduce_last", "meshtrain dp2 reduce_last_unsharded", "meshtrain tp2",
+                          "meshtrain pp2"}
     assert all(s["tokens_per_s"] > 0 and s["vs_transformers"] > 0 for s in speed.values())
     parts = {(name, p["part"]): p for name, c in result["communication"].items() for p in c["parts"]}
     # layouts whose communication is at its floor must stay there: a regression shows as a ratio above 1
