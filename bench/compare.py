@@ -126,17 +126,18 @@ def meshtrain_worker(args: argparse.Namespace) -> None:
     exit_process(0)
 
 
-def transformers_worker(args: argparse.Namespace) -> None:
+def transformers_step_times(cfg, dtype: str, steps: int) -> list[float]:
+    """Wall time of each of ``steps`` optimizer steps of transformers' eager training of the model
+    meshtrain's adapter describes for ``cfg`` (a resolved JobConfig): the same batch, micro-batch,
+    AdamW settings and clipping as meshtrain's job. Also used by gpu_check.py."""
     import contextlib
 
     import torch
     import transformers
 
-    from meshtrain.parallel.runtime import device_type_from_env
     from meshtrain.hf.adapter import hf_config_from_model
-    from meshtrain.commands.train import resolve
+    from meshtrain.parallel.runtime import device_type_from_env
 
-    cfg = resolve(job_config(args, {}, False))
     device = torch.device(device_type_from_env())
     hf = hf_config_from_model(cfg.model, torch.float32)
     config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
@@ -150,7 +151,7 @@ def transformers_worker(args: argparse.Namespace) -> None:
     accum = t.global_batch_size // t.micro_batch_size
     batches = [torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, t.seq_len + 1), device=device)
                for _ in range(accum)]
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else contextlib.nullcontext()
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
 
     def step() -> float:
         start = time.perf_counter()
@@ -167,9 +168,14 @@ def transformers_worker(args: argparse.Namespace) -> None:
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
 
-    for _ in range(args.warmup):
-        step()
-    times = [step() for _ in range(args.steps)]
+    return [step() for _ in range(steps)]
+
+
+def transformers_worker(args: argparse.Namespace) -> None:
+    from meshtrain.commands.train import resolve
+
+    cfg = resolve(job_config(args, {}, False))
+    times = transformers_step_times(cfg, args.dtype, args.warmup + args.steps)[args.warmup:]
     pathlib.Path(args.result).write_text(json.dumps({"layout": "transformers, 1 process", "step_times_s": times}))
 
 

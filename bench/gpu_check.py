@@ -5,7 +5,8 @@
 
 1-rank bf16 training of a ~1.2B Llama and a small Qwen3-MoE (the grouped_mm expert path), meshtrain
 eager vs train.compile vs compile + train.float8, beside transformers' eager training of the same
-model (AutoModelForCausalLM from meshtrain's config.json, sdpa attention, the same AdamW), each in its
+model (compare.py's loop: AutoModelForCausalLM from meshtrain's config.json, sdpa attention, the same
+AdamW settings and clipping), each in its
 own process one after the other. The table gives median tokens/s after warm-up, MFU and peak memory.
 A variant meshtrain refuses by design (compile for MoE, float8 off CUDA) shows the refusal; any other
 failure exits non-zero.
@@ -15,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import subprocess
 import sys
-import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -62,40 +63,25 @@ def run_meshtrain(args, model: dict, extra: list[str], run_dir: pathlib.Path) ->
 
 
 def transformers_worker(args) -> None:
-    """One process: transformers' eager training of the model meshtrain's adapter describes."""
+    """One process: transformers' eager training of the same model and batch (compare.py's loop)."""
     import torch
-    import transformers
 
-    from meshtrain.config import ModelConfig
-    from meshtrain.hf.adapter import hf_config_from_model
+    from compare import transformers_step_times  # bench/ is this script's directory
+    from meshtrain.config import JobConfig, LoggingConfig
+    from meshtrain.config_files import from_dict
+    from meshtrain.models.transformer import count_active_parameters, count_parameters
+    from meshtrain.parallel.runtime import device_type_from_env
     from meshtrain.telemetry.metrics import flops_per_token, memory_gib, peak_tflops
 
-    cfg = ModelConfig(**json.loads(args.model_json))
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
-    config = transformers.AutoConfig.for_model(**hf_config_from_model(cfg, dtype))
-    config._attn_implementation = "sdpa"
-    model = transformers.AutoModelForCausalLM.from_config(config).to(device)  # fp32 master weights
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95))
-    tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len + 1), device=device)
-    times = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
-            logits = model(tokens[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+    cfg = from_dict(JobConfig, {"model": json.loads(args.model_json),
+                                "train": {"seq_len": args.seq_len, "global_batch_size": args.batch,
+                                          "micro_batch_size": args.batch}})
+    times = transformers_step_times(cfg, args.precision, args.steps)
     tok_s = args.batch * args.seq_len / statistics.median(times[args.warmup:])
-    n = sum(p.numel() for p in model.parameters())
-    from meshtrain.models.transformer import count_active_parameters
-
-    per_token = flops_per_token(cfg, args.seq_len, count_active_parameters(cfg) if cfg.is_moe else n)
-    peak = peak_tflops(type("L", (), {"peak_tflops": None})(), device)
+    m = cfg.model
+    per_token = flops_per_token(m, args.seq_len, count_active_parameters(m) if m.is_moe else count_parameters(m))
+    device = torch.device(device_type_from_env())
+    peak = peak_tflops(LoggingConfig(), device)
     pathlib.Path(args.result).write_text(json.dumps({
         "tokens_per_s": tok_s, "mfu": tok_s * per_token / 1e12 / peak if peak else None,
         "memory_gib": memory_gib(device)}))
@@ -108,7 +94,7 @@ def run_transformers(args, model: dict, out: pathlib.Path) -> dict:
            *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("steps", "warmup", "seq_len", "batch",
                                                                      "precision")]]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout,
-                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     if proc.returncode != 0:
         raise SystemExit(f"transformers eager failed:\n{proc.stderr[-4000:]}")
     return json.loads(result.read_text())
