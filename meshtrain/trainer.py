@@ -42,7 +42,7 @@ from meshtrain.parallel.pipeline import Pipeline, stage_ids_for_rank
 from meshtrain.parallel.runtime import Runtime
 from meshtrain.parallel.tensor import grads_to_param_placements, sum_moe_grads_over_tp
 from meshtrain.telemetry.metrics import MetricsLogger, flops_per_token, memory_gib, peak_tflops
-from meshtrain.telemetry.profiling import MemorySnapshots, PhaseClock, format_phases, trace_window
+from meshtrain.telemetry.profiling import MemorySnapshots, PhaseClock, format_phases, trace_path, trace_window
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -275,7 +275,7 @@ class Trainer:
                 logger.info(f"torch.compile: {self.compiled_graphs[0]} graph(s) compiled in the first step, "
                             f"{self.compiled_graphs[-1] - self.compiled_graphs[0]} recompiled after it")
             if cfg.profiling.trace:
-                trace = self.run_dir / "profile" / f"rank{rank}.json"
+                trace = trace_path(self.run_dir, rank)
                 logger.info(f"profiler trace {trace} (one per rank; open in https://ui.perfetto.dev)" if trace.is_file()
                             else "profiling.trace: the run ended before the trace window began; no trace written "
                                  "(lower profiling.trace_wait or raise train.steps)")

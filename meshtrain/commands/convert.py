@@ -26,8 +26,8 @@ from meshtrain.config import JobConfig, ModelConfig, TrainConfig
 from meshtrain.parallel.runtime import init_distributed, shutdown
 from meshtrain.errors import CheckpointError
 from meshtrain.hf.adapter import resolve_init_from_hf, to_hf
-from meshtrain.hf.io import (check_export_target, dtypes_from_names, export_dtypes, load_hf_weights, save_hf,
-                             tokenizer_files)
+from meshtrain.hf.io import (check_export_target, dtypes_from_names, export_dtypes, load_hf_weights, same_bytes,
+                             save_hf, tokenizer_files)
 from meshtrain.parallel.layout import plan_layout
 from meshtrain.parallel.mesh import build_mesh
 from meshtrain.models.transformer import Transformer
@@ -76,12 +76,6 @@ def build_sharded(model_cfg: ModelConfig, device: torch.device) -> list[Transfor
     job = JobConfig(model=model_cfg, train=TrainConfig(global_batch_size=world, micro_batch_size=1))
     mesh = build_mesh(plan_layout(job, world), device.type)
     return [build_model(job, mesh, device, initialize=False)]
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-for-bit equality: unlike torch.equal, a NaN copied exactly equals itself."""
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

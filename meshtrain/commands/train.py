@@ -47,8 +47,8 @@ def resolve(cfg: JobConfig) -> JobConfig:
         cfg = dataclasses.replace(cfg, model=resolve_init_from_hf(cfg.model))
     check_ranges(cfg)
     c = cfg.checkpoint
-    if cfg.checkpoint.export_hf:
-        check_export_target(cfg.checkpoint.export_hf)
+    if c.export_hf:
+        check_export_target(c.export_hf)
     if c.resume not in ("auto", "never"):
         check_architecture(read_meta(pathlib.Path(c.resume)), cfg.model, pathlib.Path(c.resume))
     check_installed(cfg.logging)
@@ -96,11 +96,12 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
         try:
             history = train(cfg, layout, runtime)
         except BaseException as e:
-            if isinstance(e, RuntimeError) and is_collective_failure(e):
-                record = flight_recorder.write(cfg.train.run_dir, runtime.rank)  # before the groups go
-                shutdown()
-                raise collective_error(e, cfg.parallel.timeout_s, record) from None
+            collective = isinstance(e, RuntimeError) and is_collective_failure(e)
+            # the flight record is read before the groups are torn down
+            record = flight_recorder.write(cfg.train.run_dir, runtime.rank) if collective else None
             shutdown()
+            if collective:
+                raise collective_error(e, cfg.parallel.timeout_s, record) from None
             raise
         shutdown(synchronize=True)
     return history

@@ -121,10 +121,15 @@ def _same_tensor(root: pathlib.Path, found: dict, a: str, b: str, rows_per_read:
     with safe_open(str(root / found[a][0]), framework="pt") as fa, safe_open(str(root / found[b][0]), framework="pt") as fb:
         sa, sb = fa.get_slice(a), fb.get_slice(b)
         for start in range(0, found[a][1][0], rows_per_read):
-            x, y = sa[start:start + rows_per_read], sb[start:start + rows_per_read]
-            if not torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)):
+            if not same_bytes(sa[start:start + rows_per_read], sb[start:start + rows_per_read]):
                 return False
     return True
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality: unlike torch.equal, a NaN copied exactly equals itself."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 _TORCH_DTYPE = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
@@ -199,8 +204,11 @@ def check_finite(parts: list[Transformer], directory: str) -> None:
     if bad:
         root = pathlib.Path(directory)
         index = root / INDEX
-        weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else {}
-        where = [f"{root / weight_map.get(key, next(root.glob('*.safetensors')).name)}: {key}" for key in bad]
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        else:  # one file holds every tensor
+            weight_map = dict.fromkeys(bad, next(root.glob("*.safetensors")).name)
+        where = [f"{root / weight_map[key]}: {key}" for key in bad]
         raise CheckpointError(f"model.init_from_hf: {len(bad)} tensor(s) hold NaN or Inf values: {'; '.join(where[:4])}"
                               f"{' and more' if len(where) > 4 else ''}. Training from them would stop at the first "
                               "step. Fix: re-download or re-export the checkpoint")

@@ -111,7 +111,7 @@ def keep_steps_up_to(path: pathlib.Path, step: int) -> None:
     if not path.is_file():
         return
     lines = path.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= step]
+    kept = [line for line in lines if (s := _step_of(line)) is not None and s <= step]
     if len(kept) != len(lines):
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(kept))

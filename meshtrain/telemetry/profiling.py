@@ -21,6 +21,10 @@ from meshtrain.parallel._torch_private import dump_cuda_memory_snapshot, record_
 PHASES = ("data", "forward_backward", "optimizer", "checkpoint")
 
 
+def trace_path(run_dir: pathlib.Path, rank: int) -> pathlib.Path:
+    return run_dir / "profile" / f"rank{rank}.json"
+
+
 def trace_window(cfg: ProfilingConfig, run_dir: pathlib.Path, rank: int, device: torch.device):
     """A torch.profiler over the configured window (call ``.step()`` after each training step), or
     a no-op context when tracing is off."""
@@ -28,7 +32,7 @@ def trace_window(cfg: ProfilingConfig, run_dir: pathlib.Path, rank: int, device:
         return contextlib.nullcontext(None)
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    path = run_dir / "profile" / f"rank{rank}.json"
+    path = trace_path(run_dir, rank)
 
     def export(prof) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
