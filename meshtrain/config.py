@@ -214,8 +214,9 @@ class TrainConfig:
     only; selective: keep the matmul, attention and collective outputs and recompute the cheap ops
     (about half the activations of none, for little extra compute)."""
     compile: bool = False
-    """torch.compile each decoder layer (inductor), after TP and before FSDP, as torchtitan does. Off
-    until measured on GPU: on CPU it costs tens of seconds of compilation per rank for no gain."""
+    """torch.compile each decoder layer (inductor; an MoE layer's attention half), after TP and before
+    FSDP, as torchtitan does. Off until measured on GPU: on CPU it costs tens of seconds of
+    compilation per rank."""
     float8: bool = False
     """Float8 training of the decoder's linear layers through torchao (CUDA with float8 tensor cores,
     H100/H200 class; the optional torchao extra). The embedding and lm_head stay in the compute dtype."""

@@ -151,10 +151,3 @@ def test_fsdp_accumulate_under_a_pipeline_says_it_changes_nothing():
         plan_layout(tiny_config(parallel={"pp": 2, "fsdp_accumulate": "reduce_last"},
                                 train={"micro_batch_size": 1}), 4)
 
-
-def test_compile_is_refused_where_it_is_not_verified():
-    with pytest.raises(ConfigError, match=r"train.compile=true with parallel.tp=2, cp=1 is not supported"):
-        plan_layout(tiny_config(parallel={"tp": 2}, train={"compile": True}), 2)
-    with pytest.raises(ConfigError, match=r"train.compile=true with the MoE family qwen3_moe is not supported"):
-        plan_layout(tiny_config(model={"family": "qwen3_moe", "num_experts": 4}, train={"compile": True}), 2)
-    assert plan_layout(tiny_config(parallel={"pp": 2}, train={"compile": True, "micro_batch_size": 1}), 2).pp == 2

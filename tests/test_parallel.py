@@ -67,8 +67,10 @@ LAYOUTS = {
     # selective activation checkpointing (matmul, attention and collective outputs kept) under
     # TP+SP, and on every other layer under FSDP
     "tp2-sp-selective-ac": (2, ["--parallel.tp", "2", "--parallel.sp", "True", "--train.activation-checkpointing", "selective"], "TP2 PP1 DP1 CP1 EP1 [SP]"),
-    # torch.compile per layer (inductor on CPU), under FSDP
+    # torch.compile per layer (inductor on CPU), under FSDP and under TP+SP (DTensor traced in the graph)
     "dp2-compiled": (2, ["--parallel.dp-shard", "2", "--train.compile", "True"], "TP1 PP1 DP2"),
+    "tp2-sp-compiled": (2, ["--parallel.tp", "2", "--parallel.sp", "True", "--train.compile", "True"],
+                        "TP2 PP1 DP1 CP1 EP1 [SP]"),
     "dp2-selective-ac-every2": (2, ["--parallel.dp-shard", "2", "--train.activation-checkpointing", "selective", "--train.activation-checkpointing-every", "2"],
                                 "TP1 PP1 DP2"),
 }
@@ -120,9 +122,14 @@ def test_layout_equals_single_rank(batches, name):
     assert line in got["layout"]
     assert_matches_reference(got, reference(()), COMPILED_RTOL if "compiled" in name else LOSS_RTOL)
     expected_collectives(name, got["comm_counts"])
-    if "compiled" in name:  # compiled once, in step 1; no step after it recompiles
-        graphs = got["compiled_graphs"]
-        assert graphs[0] >= 1 and graphs == graphs[:1] * len(graphs), graphs
+    if "compiled" in name:
+        assert_compiled_once(got)
+
+
+def assert_compiled_once(got: dict) -> None:
+    """Graphs compiled in step 1 and none after it: no step recompiles."""
+    graphs = got["compiled_graphs"]
+    assert graphs[0] >= 1 and graphs == graphs[:1] * len(graphs), graphs
 
 
 QWEN3 = ("--model.family", "qwen3")
@@ -194,9 +201,8 @@ def test_pipeline_layout_equals_single_rank(batches, name):
     got = run_layout(batches, PIPELINE_JOBS[name])
     assert line in got["layout"]
     assert_matches_reference(got, reference(PP_MODEL), COMPILED_RTOL if "compiled" in name else LOSS_RTOL)
-    if "compiled" in name:  # compiled in step 1 only; collectives not counted (no dispatch mode under dynamo)
-        graphs = got["compiled_graphs"]
-        assert graphs[0] >= 1 and graphs == graphs[:1] * len(graphs), graphs
+    if "compiled" in name:  # collectives not counted (no dispatch mode under dynamo)
+        assert_compiled_once(got)
         return
     cfg = parse(JobConfig, TINY + list(PP_MODEL) + layout, "check")
     dp = nproc // (2 * cfg.parallel.tp)

@@ -125,7 +125,14 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return self.mlp_residual(self.attention_residual(x, cos, sin))
+
+    # The two halves are methods of their own so that train.compile can compile the attention half
+    # alone where the MLP half (MoE routing) has data-dependent shapes.
+    def attention_residual(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return x + self.self_attn(self.input_layernorm(x), cos, sin)
+
+    def mlp_residual(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

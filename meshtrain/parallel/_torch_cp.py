@@ -50,6 +50,7 @@ class _RingAttention(torch.autograd.Function):
         return grad_q, grad_k, grad_v, None, None
 
 
+@torch.compiler.disable  # a compiled layer runs it eagerly between its graphs: dynamo cannot trace the ring's process group
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: dist.ProcessGroup,
                    scale: float | None = None) -> torch.Tensor:
     return _RingAttention.apply(query, key, value, group, scale)

@@ -8,6 +8,7 @@ ever holds more than its shards, so a model larger than one rank's memory can be
 from __future__ import annotations
 
 import torch
+from torch.distributed._functional_collectives import wait_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from meshtrain.config import JobConfig
@@ -43,7 +44,7 @@ def build_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device, stage:
             if isinstance(module, MoE):
                 parallelize_module(module.experts, mesh.expert_grid, ExpertParallel())
     if cfg.train.compile:
-        compile_layers(model)
+        compile_layers(model, ring_attention=mesh.size("cp") > 1)
     apply_fsdp(model, mesh, mixed_precision=cfg.train.mixed_precision,
                reshard_after_forward=reshard_after_forward(cfg.parallel.fsdp_reshard_after_forward, mesh.size("pp")))
     if mesh.size("dp_cp") == 1 and cfg.train.mixed_precision == "bf16":
@@ -55,13 +56,32 @@ def build_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device, stage:
     return model
 
 
-def compile_layers(model: Transformer) -> None:
-    """torch.compile each decoder layer's forward (parameter names unchanged; the module's own
-    hooks, FSDP's among them, stay outside the graph and run eagerly around it). Dense layers
-    compile whole (fullgraph); an MoE layer's routing has data-dependent shapes (bincount, nonzero,
-    uneven all-to-all), so dynamo splits it into graphs around them."""
+def compile_layers(model: Transformer, *, ring_attention: bool) -> None:
+    """torch.compile each decoder layer (parameter names unchanged; the module's own hooks, FSDP's
+    among them, stay outside the graph and run eagerly around it; TP's hooks on the projections are
+    traced into it). A dense layer compiles whole, as one graph, except under context parallelism,
+    where the ring attention runs eagerly between two graphs. An MoE layer compiles its attention
+    half only: routing has data-dependent shapes (bincount, nonzero, uneven all-to-all), and
+    compiling it split each layer into ~14 graphs and recompiled them whenever the expert loads
+    took new shapes (steps 6 and 7 of 8 on the ep2 test model), so it stays eager."""
     for layer in model.layers.values():
-        layer.forward = torch.compile(layer.forward, fullgraph=not isinstance(layer.mlp, MoE))
+        if isinstance(layer.mlp, MoE):
+            layer.attention_residual = _resolving_async_input(
+                torch.compile(layer.attention_residual, fullgraph=not ring_attention))
+        else:
+            layer.forward = _resolving_async_input(torch.compile(layer.forward, fullgraph=not ring_attention))
+
+
+def _resolving_async_input(compiled_forward):
+    """Wait for an async collective's output before it enters the compiled layer. Under TP the
+    embedding hands layer 0 an AsyncCollectiveTensor (its all-reduce or reduce-scatter runs
+    async_op=True); torch 2.13's AOTAutograd traces it as a subclass input and its backward then
+    gives DTensor's Redistribute a plain gradient (``'Tensor' object has no attribute
+    '_local_tensor'``; pytorch#179506/#179849). ``wait_tensor`` is differentiable and a no-op on a
+    plain tensor."""
+    def forward(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        return compiled_forward(wait_tensor(x), *rest)
+    return forward
 
 
 def stage_layer_counts_for(cfg: JobConfig) -> tuple[int, ...]:
