@@ -8,7 +8,7 @@ eager vs train.compile vs compile + train.float8, beside transformers' eager tra
 model (compare.py's loop: AutoModelForCausalLM from meshtrain's config.json, sdpa attention, the same
 AdamW settings and clipping), each in its
 own process one after the other. The table gives median tokens/s after warm-up, MFU and peak memory.
-A variant meshtrain refuses by design (compile for MoE, float8 off CUDA) shows the refusal; any other
+A variant meshtrain refuses by design (float8 off CUDA) shows the refusal; any other
 failure exits non-zero.
 """
 

@@ -220,6 +220,13 @@ class TrainConfig:
     float8: bool = False
     """Float8 training of the decoder's linear layers through torchao (CUDA with float8 tensor cores,
     H100/H200 class; the optional torchao extra). The embedding and lm_head stay in the compute dtype."""
+    float8_all_gather: bool = True
+    """With float8 under FSDP: all-gather the projections' weights in float8 (half of bf16's bytes,
+    a quarter of fp32's), each shard cast with the whole weight's scale. Exact: the same float8
+    weights as casting after a high-precision all-gather."""
+    float8_emulate: bool = False
+    """With float8: torchao's emulation, float8-rounded operands into a high-precision matmul, on
+    any device. Float8's numerics without float8 hardware, and no speed-up: for tests and debugging."""
     activation_checkpointing_every: int = 1
     """Checkpoint one decoder layer in every this many (by global index); the others keep all."""
     run_dir: str = "runs/default"

@@ -28,6 +28,7 @@ from meshtrain.data.tokenizer import build_tokenizer
 from meshtrain.errors import ConfigError, TrainingError
 from meshtrain.hf.adapter import read_hf_config
 from meshtrain.hf.io import check_finite, export_dtypes, load_hf_weights, save_hf, tokenizer_files
+from meshtrain.models.float8 import precompute_fsdp_scales
 from meshtrain.models.moe import MoE
 from meshtrain.models.transformer import count_active_parameters, count_parameters
 from meshtrain.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
@@ -37,7 +38,7 @@ from meshtrain.parallel.expert import expert_parameters
 from meshtrain.parallel.fsdp import before_micro_batch
 from meshtrain.parallel.layout import resolve_schedule
 from meshtrain.parallel.mesh import ParallelMesh
-from meshtrain.parallel.parallelize import build_model
+from meshtrain.parallel.parallelize import build_model, float8_all_gather
 from meshtrain.parallel.pipeline import Pipeline, stage_ids_for_rank
 from meshtrain.parallel.runtime import Runtime
 from meshtrain.parallel.tensor import grads_to_param_placements, sum_moe_grads_over_tp
@@ -58,6 +59,7 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         self.parts, self.pipeline = self._build_model_parts()
         self.params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
+        self.float8_fsdp_scales = float8_all_gather(cfg, mesh)
         # One optimizer per part: torch's optimizer state dicts are per (module, optimizer) pair.
         self.optimizers = [build_optimizer([part], cfg.optimizer) for part in self.parts]
         self.schedulers = [build_lr_scheduler(opt, cfg.train.steps, cfg.lr_schedule) for opt in self.optimizers]
@@ -179,6 +181,9 @@ class Trainer:
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
+        if self.float8_fsdp_scales:
+            for part in self.parts:
+                precompute_fsdp_scales(part)
         expert_metrics = self.expert_load_step() if self.cfg.model.is_moe else {}
         self.clock.mark("optimizer")
         if self.cfg.train.compile:

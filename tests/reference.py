@@ -11,6 +11,7 @@ from meshtrain.config import JobConfig
 from meshtrain.data.loader import BatchStream, PackedDataset
 from meshtrain.data.text import tokenize_corpus
 from meshtrain.data.tokenizer import build_tokenizer
+from meshtrain.models.float8 import convert_to_float8
 from meshtrain.models.initialize import init_weights
 from meshtrain.models.transformer import Transformer
 from meshtrain.models.moe import MoE
@@ -21,6 +22,8 @@ def reference_run(cfg: JobConfig) -> dict:
     t = cfg.train
     torch.manual_seed(t.seed)
     model = Transformer(cfg.model)
+    if t.float8:
+        convert_to_float8(model, emulate=t.float8_emulate)
     init_weights(model, t.seed)
     dataset = PackedDataset(tokenize_corpus(cfg.data, build_tokenizer(cfg.data)), t.seq_len)
     stream = BatchStream(dataset, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size, dp_size=1,

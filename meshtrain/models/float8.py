@@ -5,7 +5,13 @@ scaling: inputs and weights in e4m3, gradients in e5m2; fp32 master weights stay
 before any parallelism is applied, on the meta device like the rest of the model. The embedding
 and lm_head keep the compute dtype, as torchtitan does: the output projection is the layer most
 sensitive to precision. Float8 matmuls need CUDA float8 tensor cores (``torch._scaled_mm``), so
-``check_float8`` refuses any other device before a job starts.
+``check_float8`` refuses any other device before a job starts, unless ``train.float8_emulate`` asks
+for torchao's emulation (the same float8 rounding and scaling, a high-precision matmul).
+
+Where FSDP shards the weights, they are all-gathered in float8 (torchao's FSDP2 extension:
+each shard cast with the scale of the whole weight, its amax all-reduced first), and
+``precompute_fsdp_scales`` after each optimizer step computes every weight's amax in one all-reduce
+instead of one per weight, as torchtitan does.
 """
 
 from __future__ import annotations
@@ -17,14 +23,15 @@ from torch import nn
 from meshtrain.errors import ConfigError
 
 
-def check_float8(device_type: str, tp: int) -> None:
+def check_float8(device_type: str, tp: int, emulate: bool = False) -> None:
     """The rules of train.float8, checked before any process group exists."""
     if importlib.util.find_spec("torchao") is None:
         raise ConfigError("train.float8=true needs the torchao package. Fix: pip install 'meshtrain[float8]', "
                           "or set train.float8=false")
-    if device_type != "cuda":
+    if device_type != "cuda" and not emulate:
         raise ConfigError(f"train.float8=true needs CUDA float8 tensor cores; this job runs on {device_type}. "
-                          "Fix: set train.float8=false, or run on H100/H200-class GPUs")
+                          "Fix: set train.float8=false, run on H100/H200-class GPUs, or set "
+                          "train.float8_emulate=true for float8's numerics without its speed")
     if tp > 1:
         raise ConfigError(f"train.float8=true with parallel.tp={tp} is not supported (torchao's float8 TP styles "
                           "are not wired in). Fix: set parallel.tp=1 or train.float8=false")
@@ -37,10 +44,20 @@ def _eligible(module: nn.Module, name: str) -> bool:
             and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
 
-def convert_to_float8(model: nn.Module) -> list[str]:
-    """Swap the eligible linears for Float8Linear in place; returns their names."""
+def convert_to_float8(model: nn.Module, *, fsdp_all_gather: bool = False, emulate: bool = False) -> list[str]:
+    """Swap the eligible linears for Float8Linear in place; returns their names. ``fsdp_all_gather``:
+    their weights become torchao's float8-all-gathered FSDP2 tensors (for sharded data parallelism)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     converted = [name for name, module in model.named_modules() if _eligible(module, name)]
-    convert_to_float8_training(model, config=Float8LinearConfig(), module_filter_fn=_eligible)
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_all_gather, emulate=emulate)
+    convert_to_float8_training(model, config=config, module_filter_fn=_eligible)
     return converted
+
+
+def precompute_fsdp_scales(model: nn.Module) -> None:
+    """Every float8-all-gathered weight's scale for the next forward, from one all-reduce of amaxes
+    (after the optimizer step has changed the weights)."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)

@@ -33,7 +33,7 @@ def build_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device, stage:
     if stage is not None:
         split_for_stage(model, stage, stage_layer_counts_for(cfg))
     if cfg.train.float8:
-        convert_to_float8(model)
+        convert_to_float8(model, fsdp_all_gather=float8_all_gather(cfg, mesh), emulate=cfg.train.float8_emulate)
     model.activation_checkpointing = cfg.train.activation_checkpointing
     model.activation_checkpointing_every = cfg.train.activation_checkpointing_every
     if mesh.size("tp") > 1:
@@ -82,6 +82,11 @@ def _resolving_async_input(compiled_forward):
     def forward(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
         return compiled_forward(wait_tensor(x), *rest)
     return forward
+
+
+def float8_all_gather(cfg: JobConfig, mesh: ParallelMesh) -> bool:
+    """Whether float8 weights are all-gathered in float8: asked for, and FSDP shards them."""
+    return cfg.train.float8 and cfg.train.float8_all_gather and mesh.size("dp_shard_cp") > 1
 
 
 def stage_layer_counts_for(cfg: JobConfig) -> tuple[int, ...]:

@@ -44,6 +44,7 @@ def run(args, out, runtime) -> None:
             "grad_norms": [m["grad_norm"] for m in history],
             "state": state,
             "comm_counts": dict(comm.counts),
+            "comm_bytes": dict(comm.bytes),
             "compiled_graphs": trainer.compiled_graphs,
             "comm_counts_step2": dict(comm2.counts),
         }, out / "out.pt")
