@@ -53,7 +53,8 @@ def resolve(cfg: JobConfig) -> JobConfig:
         check_architecture(read_meta(pathlib.Path(c.resume)), cfg.model, pathlib.Path(c.resume))
     check_installed(cfg.logging)
     if cfg.train.float8:
-        check_float8(device_type_from_env(), cfg.parallel.tp, cfg.train.float8_emulate)
+        check_float8(device_type_from_env(), sequence_parallel=cfg.parallel.tp > 1 and cfg.parallel.sp,
+                     emulate=cfg.train.float8_emulate)
     check_writable(cfg.train.run_dir, "train.run_dir")
     if c.dir:
         check_writable(c.dir, "checkpoint.dir")

@@ -23,7 +23,7 @@ from torch import nn
 from meshtrain.errors import ConfigError
 
 
-def check_float8(device_type: str, tp: int, emulate: bool = False) -> None:
+def check_float8(device_type: str, *, sequence_parallel: bool, emulate: bool = False) -> None:
     """The rules of train.float8, checked before any process group exists."""
     if importlib.util.find_spec("torchao") is None:
         raise ConfigError("train.float8=true needs the torchao package. Fix: pip install 'meshtrain[float8]', "
@@ -32,9 +32,12 @@ def check_float8(device_type: str, tp: int, emulate: bool = False) -> None:
         raise ConfigError(f"train.float8=true needs CUDA float8 tensor cores; this job runs on {device_type}. "
                           "Fix: set train.float8=false, run on H100/H200-class GPUs, or set "
                           "train.float8_emulate=true for float8's numerics without its speed")
-    if tp > 1:
-        raise ConfigError(f"train.float8=true with parallel.tp={tp} is not supported (torchao's float8 TP styles "
-                          "are not wired in). Fix: set parallel.tp=1 or train.float8=false")
+    if device_type != "cuda" and sequence_parallel:
+        # Under SP the projections' input is cast to float8 before its all-gather; NCCL moves float8
+        # tensors, gloo raises "Invalid scalar type" (torch 2.13).
+        raise ConfigError("train.float8=true with parallel.sp=true needs CUDA: sequence parallelism all-gathers "
+                          f"float8 activations, which {device_type}'s collectives (gloo) cannot carry. "
+                          "Fix: set parallel.sp=false (tp without SP works), or run on GPUs")
 
 
 def _eligible(module: nn.Module, name: str) -> bool:

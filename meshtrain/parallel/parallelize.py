@@ -38,7 +38,7 @@ def build_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device, stage:
     model.activation_checkpointing_every = cfg.train.activation_checkpointing_every
     if mesh.size("tp") > 1:
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=cfg.parallel.sp,
-                              loss_parallel=cfg.parallel.loss_parallel)
+                              loss_parallel=cfg.parallel.loss_parallel, float8=cfg.train.float8)
     if mesh.experts is not None:
         for module in model.modules():
             if isinstance(module, MoE):

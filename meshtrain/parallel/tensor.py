@@ -42,8 +42,10 @@ from meshtrain.models.moe import MoE
 
 
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
-                          loss_parallel: bool) -> None:
+                          loss_parallel: bool, float8: bool = False) -> None:
     sp = sequence_parallel
+    colwise, rowwise, prepare_input = _float8_styles() if float8 else (ColwiseParallel, RowwiseParallel,
+                                                                       PrepareModuleInput)
     residual = Shard(1) if sp else Replicate()  # layout of the residual stream between blocks
 
     top = {
@@ -63,17 +65,18 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, sequence_p
 
     for layer in model.layers.values():
         plan = {
-            "self_attn.q_proj": ColwiseParallel(),
-            "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(),
-            "self_attn.o_proj": RowwiseParallel(output_layouts=residual),
+            "self_attn.q_proj": colwise(),
+            "self_attn.k_proj": colwise(),
+            "self_attn.v_proj": colwise(),
+            "self_attn.o_proj": rowwise(output_layouts=residual),
         }
         # The block inputs become one Replicate DTensor shared by q/k/v (gate/up), so backward sums
         # their Partial input gradients first and all-reduces once per block, not once per projection
         # (bench/compare.py measured 3 extra all-reduces per layer without this). (hidden, cos, sin):
         # under SP this also gathers the sequence before the column-parallel projections.
-        plan["self_attn"] = PrepareModuleInput(input_layouts=(residual, None, None),
-                                               desired_input_layouts=(Replicate(), None, None))
+        # With float8 the input is cast before the gather (half of bf16's bytes) with its global amax.
+        plan["self_attn"] = prepare_input(input_layouts=(residual, None, None),
+                                          desired_input_layouts=(Replicate(), None, None))
         if isinstance(layer.mlp, MoE):
             # Each tp rank routes its own slice of the sequence (free under SP; a slice in and an
             # all-gather out without it); the MoE weights stay whole, see sum_moe_grads_over_tp.
@@ -82,10 +85,10 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, sequence_p
                 output_layouts=(Shard(1),), desired_output_layouts=(residual,), use_local_output=True)
         else:
             plan |= {
-                "mlp.gate_proj": ColwiseParallel(),
-                "mlp.up_proj": ColwiseParallel(),
-                "mlp.down_proj": RowwiseParallel(output_layouts=residual),
-                "mlp": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
+                "mlp.gate_proj": colwise(),
+                "mlp.up_proj": colwise(),
+                "mlp.down_proj": rowwise(output_layouts=residual),
+                "mlp": prepare_input(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
             }
         if sp:
             plan |= {
@@ -99,6 +102,17 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, sequence_p
                 "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
             }
         parallelize_module(layer, tp_mesh, plan)
+
+
+def _float8_styles():
+    """torchao's float8 counterparts of the column/row-parallel styles and of the input preparation
+    (models/float8.py converted the projections already)."""
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+    return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 
 
 @torch.no_grad()
