@@ -13,9 +13,14 @@ takes each job's median step time over every timed step of every repeat. On CPU 
 same cores: ``OMP_NUM_THREADS`` = cores / ranks. MFU needs a peak (looked up on CUDA, else
 ``--peak-tflops``).
 
-Communication: for dp2, tp2, tp2+SP, pp2, cp2 (dense) and ep2 (a Qwen3-MoE of the same width), one
-steady-state step is counted op by op (``meshtrain.telemetry.comm_counter``: calls and bytes each rank sends)
-and set beside the analytic minimum of that parallelism, formula shown.
+Train options (selective / full activation checkpointing, compiled layers) beside meshtrain's 1
+rank: the time ratio, and the ratio of the activations one micro-batch's forward keeps for backward
+(``telemetry.allocation.activations_kept``).
+
+Communication: for dp2 (also with no-sync accumulation, and with float8 all-gathers under torchao's
+emulation), tp2, tp2+SP, pp2, cp2 (dense) and ep2 (a Qwen3-MoE of the same width), one steady-state
+step is counted op by op (``meshtrain.telemetry.comm_counter``: calls and bytes each rank sends) and
+set beside the analytic minimum of that parallelism, formula shown.
 """
 
 from __future__ import annotations
@@ -49,13 +54,17 @@ LAYOUTS = {
     "pp2": (2, {"pp": 2, "pp_schedule": "1F1B"}, False),
     "cp2": (2, {"cp": 2}, False),
     "ep2": (2, {"ep": 2}, True),
+    # float8 weights all-gathered in float8 (torchao's emulation on CPU: the bytes are real, the speed is not)
+    "dp2 float8": (2, {"dp_shard": 2}, False),
 }
 THROUGHPUT = ["1 rank", "1 rank selective AC", "1 rank full AC", "1 rank compiled", "dp2", "dp2 reduce_last",
               "dp2 reduce_last_unsharded", "tp2", "pp2"]
 # The options that are train settings rather than layouts, beside "1 rank" (their baseline).
 TRAIN_OPTIONS = {"1 rank selective AC": {"activation_checkpointing": "selective"},
-                 "1 rank full AC": {"activation_checkpointing": "full"}, "1 rank compiled": {"compile": True}}
-COMMUNICATION = ["dp2", "dp2 reduce_last", "dp2 reduce_last_unsharded", "tp2", "tp2+sp", "pp2", "cp2", "ep2"]
+                 "1 rank full AC": {"activation_checkpointing": "full"}, "1 rank compiled": {"compile": True},
+                 "dp2 float8": {"float8": True, "float8_emulate": True}}
+COMMUNICATION = ["dp2", "dp2 reduce_last", "dp2 reduce_last_unsharded", "dp2 float8", "tp2", "tp2+sp", "pp2", "cp2",
+                 "ep2"]
 
 
 def job_config(args: argparse.Namespace, parallel: dict, moe: bool, train: dict | None = None):
@@ -109,6 +118,7 @@ def meshtrain_worker(args: argparse.Namespace) -> None:
             trainer.train_step()
         coords = mesh_coordinates(trainer.mesh)
         mine = {"calls": dict(comm.counts), "bytes": dict(comm.bytes), "coords": coords,
+                "activation_bytes": activation_bytes(trainer) if ranks == 1 and not cfg.train.compile else None,
                 "state": measure_training_state(trainer), "plan": trainer_rank_state(cfg, layout, **coords)}
         every = [mine]
         if runtime.world_size > 1:
@@ -124,6 +134,32 @@ def meshtrain_worker(args: argparse.Namespace) -> None:
         raise
     shutdown(synchronize=True)
     exit_process(0)
+
+
+def activation_bytes(trainer) -> int:
+    """What one micro-batch's forward keeps for backward (weights, buffers and logits not counted)."""
+    import torch
+
+    from meshtrain.telemetry.allocation import activations_kept
+
+    (model,), t = trainer.parts, trainer.cfg.train
+    ids = torch.randint(0, trainer.cfg.model.vocab_size, (t.micro_batch_size, t.seq_len), device=trainer.runtime.device)
+    kept, logits = activations_kept(model, ids, exclude=[*model.parameters(), *model.buffers()])
+    logits.float().sum().backward()
+    model.zero_grad(set_to_none=True)
+    return kept
+
+
+def float8_projection_params(model_cfg) -> int:
+    """The weights train.float8 converts (and FSDP then gathers at 1 byte each)."""
+    import torch
+
+    from meshtrain.models.float8 import convert_to_float8
+    from meshtrain.models.transformer import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    return sum(model.get_submodule(name).weight.numel() for name in convert_to_float8(model))
 
 
 def transformers_step_times(cfg, dtype: str, steps: int) -> list[float]:
@@ -203,11 +239,13 @@ def analytic_minimum(name: str, args: argparse.Namespace) -> list[tuple[str, tup
         params = count_parameters(m)
         if moe:  # the experts are outside FSDP under EP
             params -= 3 * m.num_experts * m.resolved_moe_intermediate_size * m.hidden_size * m.num_hidden_layers
+        f8 = float8_projection_params(m) if "float8" in name else 0  # gathered at 1 B, reduced at 4 B
+        gathered = f"({params:,} - {f8:,} float8) x 4 B + {f8:,} x 1 B" if f8 else f"{params:,} params x 4 B"
         held = {"reduce_last": f"; holds full grads, +{params * 4 / 1e6:.2f} MB/rank while accumulating",
                 "reduce_last_unsharded": f"; holds full grads and params, +{2 * params * 4 / 1e6:.2f} MB/rank "
                                          "while accumulating"}.get(parallel.get("fsdp_accumulate"), "")
-        parts.append(("FSDP", FSDP_OPS, 2 * (n - 1) / n * params * 4,
-                      f"ZeRO-3 floor: 2 (AG weights + RS grads, once per step) x (n-1)/n x {params:,} params x 4 B"
+        parts.append(("FSDP", FSDP_OPS, (n - 1) / n * ((params - f8) * 4 + f8 + params * 4),
+                      f"ZeRO-3 floor: (n-1)/n x (AG weights {gathered} + RS grads {params:,} x 4 B), once per step"
                       + held))
     if name == "cp2":
         kv = args.micro_batch * (args.seq_len // n) * m.num_key_value_heads * m.resolved_head_dim * b
@@ -324,6 +362,26 @@ def memory_table(jobs: dict) -> tuple[list[str], dict]:
     return rows, summary
 
 
+def options_table(speed: dict, jobs: dict) -> tuple[list[str], dict]:
+    """The train options beside their baseline: time and activation-memory ratios (the bytes of
+    dp2 float8 are in the communication table)."""
+    rows = ["| option | baseline | tokens/s vs baseline | activations kept, one micro-batch MB | vs baseline |",
+            "|---|---|---|---|---|"]
+    base_kept = jobs[("meshtrain", "1 rank")][0]["ranks"][0]["activation_bytes"]
+    summary = {}
+    for name in TRAIN_OPTIONS:
+        if f"meshtrain {name}" not in speed:
+            continue
+        kept = jobs[("meshtrain", name)][0]["ranks"][0]["activation_bytes"]
+        time_ratio = speed[f"meshtrain {name}"]["vs_meshtrain_1_rank"]
+        summary[name] = {"time_ratio": time_ratio, "activation_bytes": kept,
+                         "activation_ratio": kept / base_kept if kept is not None else None}
+        memory = (f"{kept / 1e6:.2f} | {kept / base_kept:.2f}x" if kept is not None
+                  else "n/a (compiled graphs are not seen by the eager counter) | -")
+        rows.append(f"| {name} | 1 rank ({base_kept / 1e6:.2f} MB) | {time_ratio:.2f}x | {memory} |")
+    return rows, summary
+
+
 def driver(args: argparse.Namespace) -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -339,7 +397,9 @@ def driver(args: argparse.Namespace) -> None:
     speed_rows, speed = throughput_table(args, jobs)
     comm_rows, comm = communication_table(args, jobs)
     memory_rows, memory = memory_table(jobs)
+    option_rows, options = options_table(speed, jobs)
     table = "\n".join(["## Training throughput", "", *speed_rows, "",
+                       "## Train options beside their baseline", "", *option_rows, "",
                        "## Communication per step (bytes each rank sends; bandwidth-optimal algorithms)", "",
                        *comm_rows, "",
                        "## Training state per rank: measured after a step vs `meshtrain plan`'s estimate", "",
@@ -347,6 +407,7 @@ def driver(args: argparse.Namespace) -> None:
     print("\n" + table)
     (out / "compare.md").write_text(table + "\n")
     (out / "compare.json").write_text(json.dumps({"throughput": speed, "communication": comm, "memory": memory,
+                                                   "options": options,
                                                    "args": {k: v for k, v in vars(args).items() if k != "passthrough"}},
                                                   indent=1))
     print(f"\nwrote {out / 'compare.md'} and {out / 'compare.json'}")

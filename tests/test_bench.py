@@ -74,6 +74,14 @@ def test_compare_bench_sets_every_layout_beside_its_minimum(tmp_path):
     fsdp = [parts[(name, "FSDP")] for name in ("dp2", "dp2 reduce_last", "dp2 reduce_last_unsharded")]
     assert fsdp[0]["ratio"] > fsdp[1]["ratio"] > fsdp[2]["ratio"] >= 1.0, [f["ratio"] for f in fsdp]
     assert fsdp[1]["calls"]["_reduce_scatter_base"] * 2 == fsdp[0]["calls"]["_reduce_scatter_base"]
+    # float8 all-gathers: fewer bytes than dp2's for the same calls, against a floor that counts 1 B per weight
+    float8 = parts[("dp2 float8", "FSDP")]
+    assert float8["calls"] == fsdp[0]["calls"] and float8["rank0_bytes"] < fsdp[0]["rank0_bytes"]
+    assert float8["ratio"] >= 1.0
+    # what selective and full checkpointing keep, beside no checkpointing; compiled graphs are not counted
+    options = result["options"]
+    assert 0 < options["1 rank full AC"]["activation_ratio"] < options["1 rank selective AC"]["activation_ratio"] < 1
+    assert options["1 rank compiled"]["activation_ratio"] is None
     for name, ranks in result["memory"].items():
         assert all(r["ratio"] == pytest.approx(1.0, rel=0.02) for r in ranks), name
     assert "| tp2 | TP | all_reduce" in (tmp_path / "compare.md").read_text()

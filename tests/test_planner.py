@@ -189,31 +189,13 @@ def test_activation_formula_matches_what_autograd_saves(family):
 
 
 def kept_for_backward(layer, x: torch.Tensor, *args) -> int:
-    """Bytes of the tensors a layer's forward leaves alive (what autograd and selective
-    checkpointing keep for backward), found as every tensor the forward created that is still
-    referenced once it returns; the input, which the caller keeps, is added; weights and the RoPE
-    tables are not counted."""
-    import weakref
+    """Bytes a layer's forward leaves alive for backward (``telemetry.allocation.activations_kept``),
+    plus its input, which the caller keeps; weights and the RoPE tables are not counted."""
+    from meshtrain.telemetry.allocation import activations_kept
 
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    created = []
-
-    class Track(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            created.extend(weakref.ref(t) for t in (out if isinstance(out, (tuple, list)) else [out])
-                           if isinstance(t, torch.Tensor))
-            return out
-
-    skip = {t.untyped_storage().data_ptr() for t in [*layer.parameters(), *args]}
-    with Track():
-        out = layer(x, *args)
-    skip.add(out.untyped_storage().data_ptr())
-    alive = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for r in created if (t := r()) is not None}
-    kept = sum(n for ptr, n in alive.items() if ptr not in skip) + x.untyped_storage().nbytes()
+    kept, out = activations_kept(layer, x, *args, exclude=[*layer.parameters(), *args])
     out.sum().backward()
-    return kept
+    return kept + x.untyped_storage().nbytes()
 
 
 @pytest.mark.parametrize("family,ac", [("llama", "none"), ("llama", "full"), ("llama", "selective"),

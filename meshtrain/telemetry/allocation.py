@@ -1,12 +1,15 @@
-"""What a rank really holds for training state: its parameter, gradient and optimizer-state bytes,
-measured on a live trainer (the planner's per-rank estimate is checked against this)."""
+"""What a rank really holds for training: its parameter, gradient and optimizer-state bytes, measured
+on a live trainer, and the activations a forward keeps for backward (the planner's per-rank
+estimates are checked against both)."""
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -58,3 +61,31 @@ def mesh_coordinates(mesh) -> dict:
     return {"pp_rank": mesh["pp"].get_local_rank(), "tp_rank": mesh["tp"].get_local_rank(),
             "fsdp_rank": mesh["dp_shard_cp"].get_local_rank(),
             "edp_rank": mesh["edp"].get_local_rank() if mesh.experts is not None else 0}
+
+
+class _Created(TorchDispatchMode):
+    """Weak references to every tensor the ops under it create."""
+
+    def __init__(self):
+        super().__init__()
+        self.tensors: list[weakref.ref] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.tensors.extend(weakref.ref(t) for t in (out if isinstance(out, (tuple, list)) else [out])
+                            if isinstance(t, torch.Tensor))
+        return out
+
+
+def activations_kept(forward, *inputs, exclude=()) -> tuple[int, torch.Tensor]:
+    """``(bytes, output)`` of ``forward(*inputs)``: the bytes of every tensor the forward created that
+    is still alive once it returns (what autograd, or activation checkpointing, keeps for backward),
+    storages counted once; the output and the storages of ``exclude`` (e.g. the weights) are not.
+    Eager only: dynamo does not trace under the dispatch mode this counts with."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    with _Created() as created:
+        out = forward(*inputs)
+    skip.add(out.untyped_storage().data_ptr())
+    alive = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+             for ref in created.tensors if (t := ref()) is not None}
+    return sum(n for ptr, n in alive.items() if ptr not in skip), out
