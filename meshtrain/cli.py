@@ -45,6 +45,12 @@ def convert_main(argv: list[str]) -> None:
     convert(parse(ConvertConfig, argv, "meshtrain convert"))
 
 
+def prepare_main(argv: list[str]) -> None:
+    from meshtrain.commands.prepare import PrepareConfig, prepare
+
+    prepare(parse(PrepareConfig, argv, "meshtrain prepare"))
+
+
 def plan_main(argv: list[str]) -> None:
     from meshtrain.planning.options import PlanConfig
     from meshtrain.planning.report import plan_main as run_plan
@@ -54,6 +60,7 @@ def plan_main(argv: list[str]) -> None:
 
 SUBCOMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
     "train": (train_main, "train a model (add --train.dry-run to validate and print the layout only)"),
+    "prepare": (prepare_main, "tokenize text into a memory-mapped dataset for data.path (--input DIR --output PREFIX)"),
     "plan": (plan_main, "recommend a layout for a model and cluster, with per-GPU memory (--params 70b --gpus 64)"),
     "convert": (convert_main, "Hugging Face safetensors <-> meshtrain checkpoints (--src DIR --dst DIR)"),
 }

@@ -23,8 +23,7 @@ from meshtrain.checkpoint.checkpointer import Checkpointer
 from meshtrain.config import JobConfig
 from meshtrain.config_files import to_dict
 from meshtrain.data.loader import BatchStream, PackedDataset
-from meshtrain.data.text import tokenize_corpus
-from meshtrain.data.tokenizer import build_tokenizer
+from meshtrain.data.sources import training_tokens
 from meshtrain.errors import ConfigError, TrainingError
 from meshtrain.hf.adapter import read_hf_config
 from meshtrain.hf.io import check_finite, export_dtypes, load_hf_weights, save_hf, tokenizer_files
@@ -80,18 +79,14 @@ class Trainer:
     def _build_data(self) -> BatchStream:
         """This dp rank's share of every optimizer step's batches."""
         cfg, t = self.cfg, self.cfg.train
-        tokenizer = build_tokenizer(cfg.data)
-        if tokenizer.vocab_size > cfg.model.vocab_size:
-            if cfg.model.init_from_hf is None:
-                fix = f"model.vocab_size >= {tokenizer.vocab_size}"
-            else:  # the vocabulary is the checkpoint's: the tokenizer has to fit it
-                own = tokenizer_files(cfg.model.init_from_hf).get("tokenizer.json")
-                fix = (f"use the model's own tokenizer, data.tokenizer={own}" if own else
-                       f"use the tokenizer {cfg.model.init_from_hf} was trained with (a tokenizer.json of at most "
-                       f"{cfg.model.vocab_size} tokens)")
-            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the vocabulary of "
-                              f"data.tokenizer={cfg.data.tokenizer} ({tokenizer.vocab_size}). Fix: {fix}")
-        dataset = PackedDataset(tokenize_corpus(cfg.data, tokenizer), t.seq_len)
+        fix = None
+        if cfg.model.init_from_hf is not None:  # the vocabulary is the checkpoint's: the tokenizer has to fit it
+            own = tokenizer_files(cfg.model.init_from_hf).get("tokenizer.json")
+            fix = (f"use the model's own tokenizer, data.tokenizer={own}" if own else
+                   f"use the tokenizer {cfg.model.init_from_hf} was trained with (a tokenizer.json of at most "
+                   f"{cfg.model.vocab_size} tokens)")
+        tokens, source = training_tokens(cfg.data, cfg.model.vocab_size, fix)
+        dataset = PackedDataset(tokens, t.seq_len, vocab_size=cfg.model.vocab_size, source=source)
         dp = self.mesh["dp"]
         return BatchStream(dataset, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
                            dp_size=dp.size(), dp_rank=dp.get_local_rank(), shuffle=cfg.data.shuffle,

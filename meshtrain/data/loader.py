@@ -1,6 +1,6 @@
 """Packed token sequences out, one shard per data-parallel rank, resumable.
 
-The token stream (``data.text``) is packed
+The token stream (``data.sources``: memory-mapped prepared data, or raw text) is packed
 into fixed-length samples of seq_len + 1 tokens (inputs and shifted labels), so no token is padding.
 A ``StatefulDistributedSampler`` over the dp ranks feeds a ``StatefulDataLoader``: rank r of dp
 takes samples r, r+dp, ..., so the samples of one optimizer step are the same set for every dp size
@@ -25,17 +25,26 @@ warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=
 
 
 class PackedDataset(Dataset):
-    """Sample i is tokens[i*seq_len : (i+1)*seq_len + 1], split into (inputs, labels)."""
+    """Sample i is tokens[i*seq_len : (i+1)*seq_len + 1], split into (inputs, labels). ``tokens`` may
+    be a memory-mapped uint16/int32 stream (``data.indexed``): each sample is read and widened on
+    demand, and checked against ``vocab_size`` (an id the embedding has no row for is a data error,
+    named here rather than as an index error inside the model)."""
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int):
+    def __init__(self, tokens: torch.Tensor, seq_len: int, *, vocab_size: int | None = None, source: str = "data"):
         self.tokens = tokens
         self.seq_len = seq_len
+        self.vocab_size, self.source = vocab_size, source
 
     def __len__(self) -> int:
         return max(0, (len(self.tokens) - 1) // self.seq_len)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        chunk = self.tokens[i * self.seq_len : (i + 1) * self.seq_len + 1]
+        chunk = self.tokens[i * self.seq_len : (i + 1) * self.seq_len + 1].to(torch.int64)
+        if self.vocab_size is not None and (chunk.max() >= self.vocab_size or chunk.min() < 0):
+            bad = int(chunk[(chunk >= self.vocab_size) | (chunk < 0)][0])
+            raise DataError(f"{self.source}: token id {bad} in sample {i} is outside model.vocab_size="
+                            f"{self.vocab_size}: the data was tokenized with another tokenizer. Fix: prepare it "
+                            "with the model's tokenizer, or raise model.vocab_size")
         return chunk[:-1], chunk[1:]
 
 

@@ -55,6 +55,9 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
 
 def build_tokenizer(cfg: DataConfig) -> Tokenizer:
     return ByteTokenizer() if cfg.tokenizer == "byte" else HFTokenizer(cfg.tokenizer)

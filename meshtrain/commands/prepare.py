@@ -1,0 +1,193 @@
+"""``meshtrain prepare``: text files to a pre-tokenized, memory-mappable indexed dataset.
+
+Reads .txt / .jsonl / .parquet files (a file or a directory of them) document by document,
+tokenizes chunks of documents in worker processes, and writes the tokens in order to
+``OUTPUT.bin`` / ``OUTPUT.idx`` (Megatron's indexed format, ``data/indexed.py``) as they come back.
+Memory is bounded by the chunks in flight (two per worker), never by the corpus. ``OUTPUT.json``
+records what was prepared; a second run over the same inputs (same bytes, tokenizer and options:
+a content hash) is skipped. Files are written under ``.incomplete`` names and renamed at the end, so
+an interrupted prepare leaves nothing that opens as a dataset.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import multiprocessing
+import os
+import pathlib
+import sys
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from meshtrain.config import DataConfig
+from meshtrain.data.indexed import IndexedDataset, IndexedWriter, prefix_of, token_dtype
+from meshtrain.data.text import data_files, read_documents
+from meshtrain.data.tokenizer import build_tokenizer
+from meshtrain.errors import ConfigError, DataError
+
+FORMAT = "meshtrain-prepare/1"
+
+
+@dataclass
+class PrepareConfig:
+    """meshtrain prepare: tokenize text into a memory-mapped indexed dataset (Megatron .bin/.idx)."""
+
+    input: str
+    """A .txt, .jsonl or .parquet file, or a directory of them (searched recursively)."""
+    output: str
+    """The dataset's PREFIX: writes PREFIX.bin, PREFIX.idx and PREFIX.json. Train with data.path=PREFIX."""
+    tokenizer: str = "byte"
+    """"byte" or the path of a Hugging Face tokenizer.json (the model's own, for a fine-tune)."""
+    text_field: str = "text"
+    """Field holding the text in jsonl/parquet records."""
+    append_eos: bool = True
+    """End every document with the tokenizer's EOS (what packing needs to see document ends)."""
+    workers: int | None = None
+    """Tokenizing processes beside the writer; 0 tokenizes in the writer's process. Default: one per
+    CPU core, less one for the writer (at least one)."""
+    chunk_documents: int = 256
+    """Documents per task sent to a worker."""
+    force: bool = False
+    """Prepare again even if OUTPUT.json says these inputs were prepared already."""
+
+
+def content_hash(cfg: PrepareConfig, files: list[pathlib.Path]) -> str:
+    """sha256 over the inputs' names and bytes, the tokenizer file and the options that change tokens."""
+    h = hashlib.sha256(json.dumps([FORMAT, cfg.text_field, cfg.append_eos, cfg.tokenizer == "byte"]).encode())
+    sources = [(str(f.relative_to(cfg.input)) if pathlib.Path(cfg.input).is_dir() else f.name, f) for f in files]
+    if cfg.tokenizer != "byte":
+        tok = pathlib.Path(cfg.tokenizer)
+        sources.append(("<tokenizer>", tok / "tokenizer.json" if tok.is_dir() else tok))
+    for name, path in sources:
+        h.update(name.encode() + b"\0")
+        with path.open("rb") as f:
+            while block := f.read(1 << 24):
+                h.update(block)
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+_tokenizer = None
+
+
+def _init_worker(tokenizer: str) -> None:
+    global _tokenizer
+    _tokenizer = build_tokenizer(DataConfig(tokenizer=tokenizer))
+
+
+def _encode_chunk(documents: list[str], append_eos: bool) -> tuple[torch.Tensor, list[int]]:
+    """The chunk's tokens back to back (one tensor: cheap to send between processes) and each
+    document's length."""
+    encode = getattr(_tokenizer, "encode_batch", None)
+    ids = encode(documents) if encode else [_tokenizer.encode(d) for d in documents]
+    eos = [_tokenizer.eos_id] if append_eos and _tokenizer.eos_id is not None else []
+    ids = [d + eos for d in ids]
+    return torch.tensor([t for d in ids for t in d], dtype=torch.int32), [len(d) for d in ids]
+
+
+def _chunks(files: list[pathlib.Path], text_field: str, size: int) -> Iterator[list[str]]:
+    chunk: list[str] = []
+    for file in files:
+        for document in read_documents(file, text_field):
+            chunk.append(document)
+            if len(chunk) == size:
+                yield chunk
+                chunk = []
+    if chunk:
+        yield chunk
+
+
+def _encoded(cfg: PrepareConfig, files: list[pathlib.Path], workers: int) -> Iterator[tuple[torch.Tensor, list[int]]]:
+    """Every chunk's token tensors, in input order. At most 2 x workers chunks are in flight."""
+    chunks = _chunks(files, cfg.text_field, cfg.chunk_documents)
+    if workers == 0:
+        _init_worker(cfg.tokenizer)
+        yield from (_encode_chunk(c, cfg.append_eos) for c in chunks)
+        return
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process holding tokenizer threads
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(cfg.tokenizer,)) as pool:
+        pending: collections.deque = collections.deque()
+        for chunk in chunks:
+            pending.append(pool.apply_async(_encode_chunk, (chunk, cfg.append_eos)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+class Progress:
+    """One line, redrawn on a terminal and printed every 10 s otherwise."""
+
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.tty = sys.stderr.isatty()
+
+    def update(self, documents: int, tokens: int, final: bool = False) -> None:
+        now = time.perf_counter()
+        if not final and now - self.last < (0.5 if self.tty else 10):
+            return
+        self.last = now
+        rate = tokens / max(now - self.start, 1e-9)
+        line = f"prepare: {documents:,} documents  {tokens:,} tokens  {rate:,.0f} tokens/s"
+        print(("\r" + line) if self.tty else line, end="\n" if final or not self.tty else "", file=sys.stderr,
+              flush=True)
+
+
+def prepare(cfg: PrepareConfig) -> dict:
+    """Write the dataset (or find it up to date); returns the summary also written to OUTPUT.json."""
+    if cfg.workers is not None and cfg.workers < 0:
+        raise ConfigError(f"--workers {cfg.workers}: must be >= 0 (0 tokenizes in the writer's process)")
+    if cfg.chunk_documents < 1:
+        raise ConfigError(f"--chunk-documents {cfg.chunk_documents}: must be >= 1")
+    files = data_files(cfg.input)
+    prefix = prefix_of(cfg.output)
+    meta_path = pathlib.Path(prefix + ".json")
+    digest = content_hash(cfg, files)
+    if not cfg.force and meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        if meta.get("content_sha256") == digest:
+            try:
+                IndexedDataset.open(prefix)
+            except DataError:
+                pass  # damaged since: prepare again
+            else:
+                print(f"prepare: {prefix}.bin/.idx are up to date with {cfg.input} (content hash {digest[:12]}); "
+                      "nothing to do (--force prepares again)", file=sys.stderr)
+                return meta | {"skipped": True}
+    tokenizer = build_tokenizer(DataConfig(tokenizer=cfg.tokenizer, text_field=cfg.text_field))
+    if cfg.append_eos and tokenizer.eos_id is None:
+        raise DataError(f"tokenizer {cfg.tokenizer} has no EOS token, so packed documents would run together; "
+                        "use a tokenizer with one, or set --append-eos False knowingly")
+    workers = cfg.workers if cfg.workers is not None else max(1, (os.cpu_count() or 1) - 1)
+    dtype = token_dtype(tokenizer.vocab_size)
+    writer = IndexedWriter(prefix, dtype)
+    progress = Progress()
+    documents = tokens = 0
+    try:
+        for ids, sizes in _encoded(cfg, files, workers):
+            writer.add_documents(ids, sizes)
+            documents, tokens = documents + len(sizes), tokens + len(ids)
+            progress.update(documents, tokens)
+        if documents == 0:
+            raise DataError(f"--input {cfg.input}: no documents with text (field {cfg.text_field!r}) were found")
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    seconds = time.perf_counter() - progress.start
+    progress.update(documents, tokens, final=True)
+    meta = {"format": FORMAT, "content_sha256": digest, "input": str(cfg.input), "files": len(files),
+            "tokenizer": cfg.tokenizer, "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id,
+            "dtype": str(dtype).removeprefix("torch."), "documents": documents, "tokens": tokens,
+            "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9), "workers": workers}
+    tmp = meta_path.with_suffix(".json.incomplete")
+    tmp.write_text(json.dumps(meta, indent=1) + "\n")
+    os.replace(tmp, meta_path)
+    print(f"prepared {prefix}.bin/.idx: {documents:,} documents, {tokens:,} {meta['dtype']} tokens in {seconds:.1f} s, "
+          f"{meta['tokens_per_s']:,.0f} tokens/s ({workers} tokenizing processes beside the writer)", file=sys.stderr)
+    return meta

@@ -1,0 +1,39 @@
+"""Where the training tokens come from: a prepared indexed dataset, memory-mapped, or raw text
+tokenized at start-up (small jobs: the bundled corpus, a few files).
+
+``data.path`` names either; an indexed dataset is recognised by its PREFIX.idx. Its tokens stay in
+the page cache, shared by every rank on a node, and each rank touches only the samples it reads.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import torch
+
+from meshtrain.config import DataConfig
+from meshtrain.data.indexed import IndexedDataset, is_indexed, prefix_of
+from meshtrain.data.text import tokenize_corpus
+from meshtrain.data.tokenizer import build_tokenizer
+from meshtrain.errors import ConfigError, DataError
+
+
+def training_tokens(cfg: DataConfig, model_vocab: int, fix: str | None = None) -> tuple[torch.Tensor, str]:
+    """The token stream, and the file it comes from (for errors). ``fix``: what to do when the data's
+    vocabulary is larger than the model's, for an imported model (default: raise model.vocab_size)."""
+    if is_indexed(cfg.path):
+        dataset = IndexedDataset.open(cfg.path)
+        meta = pathlib.Path(prefix_of(cfg.path) + ".json")
+        vocab = json.loads(meta.read_text()).get("vocab_size") if meta.is_file() else None
+        if vocab is not None and vocab > model_vocab:
+            raise DataError(f"model.vocab_size={model_vocab} is smaller than the vocabulary {dataset.prefix} was "
+                            f"prepared with ({vocab}, {meta.name}). Fix: "
+                            f"{fix + ' (and prepare the data with it)' if fix else f'model.vocab_size >= {vocab}'}")
+        return dataset.tokens, f"{dataset.prefix}.bin"
+    tokenizer = build_tokenizer(cfg)
+    if tokenizer.vocab_size > model_vocab:
+        raise ConfigError(f"model.vocab_size={model_vocab} is smaller than the vocabulary of "
+                          f"data.tokenizer={cfg.tokenizer} ({tokenizer.vocab_size}). "
+                          f"Fix: {fix or f'model.vocab_size >= {tokenizer.vocab_size}'}")
+    return tokenize_corpus(cfg, tokenizer), cfg.path
