@@ -24,7 +24,7 @@ from meshtrain.config import JobConfig
 from meshtrain.config_files import to_dict
 from meshtrain.data.loader import BatchStream, PackedDataset
 from meshtrain.data.sources import training_tokens
-from meshtrain.errors import ConfigError, TrainingError
+from meshtrain.errors import TrainingError
 from meshtrain.hf.adapter import read_hf_config
 from meshtrain.hf.io import check_finite, export_dtypes, load_hf_weights, save_hf, tokenizer_files
 from meshtrain.models.float8 import precompute_fsdp_scales
