@@ -184,7 +184,11 @@ class DataConfig:
     """Training text and how it is tokenized and packed."""
 
     path: str = BUNDLED_CORPUS
-    """A .txt, .jsonl or .parquet file, or a directory of them. Default: the bundled corpus."""
+    """A dataset prepared by `meshtrain prepare` (or Megatron; its PREFIX), or a .txt, .jsonl or
+    .parquet file or a directory of them (tokenized at start). Default: the bundled corpus."""
+    blend: list[str] = field(default_factory=list)
+    """[weight, path, weight, path, ...]: sample several datasets (each as data.path takes it) in
+    these proportions, Megatron's blend; replaces data.path."""
     text_field: str = "text"
     """Field holding the text in jsonl/parquet records."""
     tokenizer: str = "byte"

@@ -79,6 +79,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a list, got {value!r}")
         return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
     if tp is str:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)  # e.g. data.blend's weights: [0.7, data/web, 0.3, data/code]
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return value

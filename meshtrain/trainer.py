@@ -22,8 +22,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 from meshtrain.checkpoint.checkpointer import Checkpointer
 from meshtrain.config import JobConfig
 from meshtrain.config_files import to_dict
-from meshtrain.data.loader import BatchStream, PackedDataset
-from meshtrain.data.sources import training_tokens
+from meshtrain.data.loader import BatchStream
+from meshtrain.data.sources import training_dataset
 from meshtrain.errors import TrainingError
 from meshtrain.hf.adapter import read_hf_config
 from meshtrain.hf.io import check_finite, export_dtypes, load_hf_weights, save_hf, tokenizer_files
@@ -85,8 +85,7 @@ class Trainer:
             fix = (f"use the model's own tokenizer, data.tokenizer={own}" if own else
                    f"use the tokenizer {cfg.model.init_from_hf} was trained with (a tokenizer.json of at most "
                    f"{cfg.model.vocab_size} tokens)")
-        tokens, source = training_tokens(cfg.data, cfg.model.vocab_size, fix)
-        dataset = PackedDataset(tokens, t.seq_len, vocab_size=cfg.model.vocab_size, source=source)
+        dataset, self.data_description = training_dataset(cfg.data, t.seq_len, t.seed, cfg.model.vocab_size, fix)
         dp = self.mesh["dp"]
         return BatchStream(dataset, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
                            dp_size=dp.size(), dp_rank=dp.get_local_rank(), shuffle=cfg.data.shuffle,
@@ -231,6 +230,7 @@ class Trainer:
         logger = MetricsLogger(cfg.logging, self.run_dir, cfg.train.steps, enabled=self.runtime.is_main,
                                start_step=self.step, config=to_dict(cfg), layout=layout)
         logger.info(f"layout: {layout}")
+        logger.info(self.data_description)
         active = f" ({self.active_params / 1e6:.2f}M active)" if cfg.model.is_moe else ""
         logger.info(f"model: {cfg.model.family}, {self.num_params / 1e6:.2f}M parameters{active}, "
                     f"{self.flops_per_token / 1e6:.1f} MFLOP/token; grad accumulation "

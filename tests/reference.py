@@ -8,9 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from meshtrain.config import JobConfig
-from meshtrain.data.loader import BatchStream, PackedDataset
-from meshtrain.data.text import tokenize_corpus
-from meshtrain.data.tokenizer import build_tokenizer
+from meshtrain.data.loader import BatchStream
+from meshtrain.data.sources import training_dataset
 from meshtrain.models.float8 import convert_to_float8
 from meshtrain.models.initialize import init_weights
 from meshtrain.models.transformer import Transformer
@@ -25,7 +24,7 @@ def reference_run(cfg: JobConfig) -> dict:
     if t.float8:
         convert_to_float8(model, emulate=t.float8_emulate)
     init_weights(model, t.seed)
-    dataset = PackedDataset(tokenize_corpus(cfg.data, build_tokenizer(cfg.data)), t.seq_len)
+    dataset, _ = training_dataset(cfg.data, t.seq_len, t.seed, cfg.model.vocab_size)
     stream = BatchStream(dataset, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size, dp_size=1,
                          dp_rank=0, shuffle=cfg.data.shuffle, seed=t.seed, num_workers=0)
     moe_layers = [m for m in model.modules() if isinstance(m, MoE)]

@@ -4,6 +4,7 @@ content hash, never leaving a dataset that looks complete), and the errors bad f
 
 import json
 import pathlib
+import re
 import struct
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import torch
 
 from meshtrain.commands.prepare import PrepareConfig, prepare
 from meshtrain.config import DataConfig
+from meshtrain.data.blend import BlendedDataset
 from meshtrain.data.indexed import IndexedDataset, IndexedWriter
 from meshtrain.data.loader import PackedDataset
 from meshtrain.data.sources import training_tokens
@@ -194,6 +196,12 @@ def prepared_bundled_corpus(job_dir: pathlib.Path) -> tuple[str, ...]:
     return ("--data.path", str(job_dir / "corpus"))
 
 
+def two_prepared_datasets(job_dir: pathlib.Path) -> tuple[str, ...]:
+    prepared_bundled_corpus(job_dir)
+    prepare(PrepareConfig(input=str(corpus(job_dir, documents=400)), output=str(job_dir / "words"), workers=0))
+    return ("--data.blend", "0.7", str(job_dir / "corpus"), "0.3", str(job_dir / "words"))
+
+
 PREPARED_DP2 = Job("data/prepared-dp2", 2, "train", (*tiny_args(), "--parallel.dp-shard", "2"),
                    prepare=prepared_bundled_corpus)
 
@@ -204,3 +212,60 @@ def test_training_on_prepared_data_equals_training_on_the_text(batches):
     """dp2 from the memory-mapped prepared bundled corpus against the 1-rank reference run that
     tokenizes the text itself: the same samples, so the same losses, grad norms and weights."""
     assert_matches_reference(run_layout(batches, PREPARED_DP2), reference(()))
+
+
+BLEND_DP2 = Job("data/blend-dp2", 2, "train", (*tiny_args(), "--parallel.dp-shard", "2"), prepare=two_prepared_datasets)
+
+
+@pytest.mark.slow
+@pytest.mark.job(BLEND_DP2)
+def test_a_blend_trains_under_dp2_like_one_rank(batches, tmp_path):
+    """The blend's samples per optimizer step are the same for every dp size: dp2 equals the 1-rank
+    run of the same blend (built from the same prepared files, written again here)."""
+    got = run_layout(batches, BLEND_DP2)
+    blend = two_prepared_datasets(tmp_path)
+    assert_matches_reference(got, reference(blend))
+
+
+# ---- blends -------------------------------------------------------------------------------------
+
+def test_a_blend_samples_each_dataset_in_proportion_evenly_and_deterministically():
+    a = PackedDataset(torch.arange(0, 8001), 8)  # 1000 samples, ids 0..8000
+    b = PackedDataset(torch.arange(10_000, 12_001), 8)  # 250 samples
+    blend = BlendedDataset([a, b], [0.75, 0.25], seed=0, names=["a", "b"])
+    assert len(blend) == 1000 and blend.counts == {"a": 750, "b": 250}  # b runs out first: 250 / 0.25
+    source = [int(blend[i][0][0] >= 10_000) for i in range(len(blend))]
+    assert sum(source) == 250
+    for start in range(0, 1000, 100):  # every window of 100 holds b's share within one sample
+        assert abs(sum(source[start:start + 100]) - 25) <= 1
+    firsts = {int(blend[i][0][0]) for i in range(len(blend))}
+    assert len(firsts) == 1000  # no sample twice
+    again = BlendedDataset([a, b], [3, 1], seed=0, names=["a", "b"])  # weights normalised
+    assert all(torch.equal(blend[i][0], again[i][0]) for i in range(0, 1000, 37))
+    other = BlendedDataset([a, b], [0.75, 0.25], seed=1, names=["a", "b"])
+    assert any(not torch.equal(blend[i][0], other[i][0]) for i in range(10))
+
+
+@pytest.mark.parametrize("blend,message", [
+    (["0.7", "a", "0.3"], r"data.blend: .* has an odd number of entries; it is \[weight, path, weight, path, ...\]"),
+    (["a", "0.7", "b", "0.3"], r"data.blend\[0\]: 'a' is not a weight"),
+    (["0", "a", "0", "b"], r"data.blend: the weights \[0.0, 0.0\] do not sum to a positive number"),
+    (["-1", "a", "2", "b"], r"data.blend\[0\]: weight -1 is negative"),
+])
+def test_bad_blends_are_refused_by_the_dry_run(tmp_path, blend, message, capsys, monkeypatch):
+    from meshtrain.cli import main
+
+    monkeypatch.setenv("MESHTRAIN_DEVICE", "cpu")
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--train.run-dir", str(tmp_path), "--data.blend", *blend, "--train.dry-run", "True"])
+    assert exit_.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_a_yaml_blend_takes_numbers_for_weights(tmp_path):
+    from meshtrain.cli import parse
+    from meshtrain.config import JobConfig
+
+    (tmp_path / "job.yaml").write_text("data:\n  blend: [0.7, data/web, 0.3, data/code]\n")
+    cfg = parse(JobConfig, ["--config", str(tmp_path / "job.yaml")], "t")
+    assert cfg.data.blend == ["0.7", "data/web", "0.3", "data/code"]

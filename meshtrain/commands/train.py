@@ -23,6 +23,7 @@ from meshtrain.parallel.mesh import build_mesh
 from meshtrain.parallel.runtime import (Runtime, collective_error, device_type_from_env, init_distributed,
                                         is_collective_failure, shutdown, world_size_from_env)
 from meshtrain.run_dir import check_writable, describe_write_error, run_dir_lock
+from meshtrain.data.blend import parse_blend
 from meshtrain.models.float8 import check_float8
 from meshtrain.telemetry import flight_recorder
 from meshtrain.telemetry.backends import check_installed
@@ -46,6 +47,8 @@ def resolve(cfg: JobConfig) -> JobConfig:
     if cfg.model.init_from_hf is not None:
         cfg = dataclasses.replace(cfg, model=resolve_init_from_hf(cfg.model))
     check_ranges(cfg)
+    if cfg.data.blend:
+        parse_blend(cfg.data.blend)
     c = cfg.checkpoint
     if c.export_hf:
         check_export_target(c.export_hf)

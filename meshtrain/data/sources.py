@@ -1,5 +1,5 @@
-"""Where the training tokens come from: a prepared indexed dataset, memory-mapped, or raw text
-tokenized at start-up (small jobs: the bundled corpus, a few files).
+"""Where the training samples come from: a prepared indexed dataset, memory-mapped, or raw text
+tokenized at start-up (small jobs: the bundled corpus, a few files), or a blend of several.
 
 ``data.path`` names either; an indexed dataset is recognised by its PREFIX.idx. Its tokens stay in
 the page cache, shared by every rank on a node, and each rank touches only the samples it reads.
@@ -7,13 +7,17 @@ the page cache, shared by every rank on a node, and each rank touches only the s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 
 import torch
+from torch.utils.data import Dataset
 
 from meshtrain.config import DataConfig
+from meshtrain.data.blend import BlendedDataset, parse_blend
 from meshtrain.data.indexed import IndexedDataset, is_indexed, prefix_of
+from meshtrain.data.loader import PackedDataset
 from meshtrain.data.text import tokenize_corpus
 from meshtrain.data.tokenizer import build_tokenizer
 from meshtrain.errors import ConfigError, DataError
@@ -37,3 +41,21 @@ def training_tokens(cfg: DataConfig, model_vocab: int, fix: str | None = None) -
                           f"data.tokenizer={cfg.tokenizer} ({tokenizer.vocab_size}). "
                           f"Fix: {fix or f'model.vocab_size >= {tokenizer.vocab_size}'}")
     return tokenize_corpus(cfg, tokenizer), cfg.path
+
+
+def training_dataset(cfg: DataConfig, seq_len: int, seed: int, model_vocab: int,
+                     fix: str | None = None) -> tuple[Dataset, str]:
+    """The packed samples of data.path, or of data.blend's datasets in its proportions; and a line
+    describing them for the log."""
+    if not cfg.blend:
+        tokens, source = training_tokens(cfg, model_vocab, fix)
+        dataset = PackedDataset(tokens, seq_len, vocab_size=model_vocab, source=source)
+        return dataset, f"data: {source}, {len(tokens):,} tokens, {len(dataset):,} samples"
+    pairs = parse_blend(cfg.blend)
+    parts = []
+    for _, path in pairs:
+        tokens, source = training_tokens(dataclasses.replace(cfg, path=path, blend=[]), model_vocab, fix)
+        parts.append(PackedDataset(tokens, seq_len, vocab_size=model_vocab, source=source))
+    blend = BlendedDataset(parts, [w for w, _ in pairs], seed, [p for _, p in pairs])
+    shares = ", ".join(f"{name} {n:,} ({n / len(blend):.1%})" for name, n in blend.counts.items())
+    return blend, f"data: blend of {len(blend):,} samples: {shares}"
