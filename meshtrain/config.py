@@ -305,6 +305,21 @@ class ProfilingConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Validation: the loss on held-out data every few steps, without touching training's state."""
+
+    interval: int = 0
+    """Evaluate after every this many optimizer steps (and after the last); 0 disables."""
+    steps: int = 4
+    """Global batches (train.global_batch_size sequences each) per evaluation."""
+    data: str = ""
+    """Held-out data, in any form data.path takes. Empty: the split below of the training data."""
+    split: float = 0.0
+    """With eval.data empty: this fraction of the training samples (the last ones) is held out and
+    never trained on."""
+
+
+@dataclass
 class JobConfig:
     """meshtrain train: a full training job."""
 
@@ -314,6 +329,7 @@ class JobConfig:
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)

@@ -9,6 +9,7 @@ then the MoE bookkeeping. Every parallel size below is read from the mesh.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import pathlib
 import time
@@ -18,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
+from torch.utils.data import Subset
 
 from meshtrain.checkpoint.checkpointer import Checkpointer
 from meshtrain.config import JobConfig
@@ -25,6 +27,7 @@ from meshtrain.config_files import to_dict
 from meshtrain.data.loader import BatchStream
 from meshtrain.data.sources import training_dataset
 from meshtrain.errors import TrainingError
+from meshtrain.evaluation import Evaluator
 from meshtrain.hf.adapter import read_hf_config
 from meshtrain.hf.io import check_finite, export_dtypes, load_hf_weights, save_hf, tokenizer_files
 from meshtrain.models.float8 import precompute_fsdp_scales
@@ -75,6 +78,7 @@ class Trainer:
         self.clock = PhaseClock(runtime.device)
         self.compiled_graphs: list[int] = []
         """With train.compile: graphs compiled by the end of each step (growth after step 1 = recompiles)."""
+        self.evaluator = Evaluator(self, *self.eval_data, cross_entropy) if self.eval_data else None
 
     def _build_data(self) -> BatchStream:
         """This dp rank's share of every optimizer step's batches."""
@@ -86,6 +90,15 @@ class Trainer:
                    f"use the tokenizer {cfg.model.init_from_hf} was trained with (a tokenizer.json of at most "
                    f"{cfg.model.vocab_size} tokens)")
         dataset, self.data_description = training_dataset(cfg.data, t.seq_len, t.seed, cfg.model.vocab_size, fix)
+        self.eval_data = None
+        if cfg.eval.interval and cfg.eval.data:
+            held_out = dataclasses.replace(cfg.data, path=cfg.eval.data, blend=[])
+            self.eval_data = (training_dataset(held_out, t.seq_len, t.seed, cfg.model.vocab_size, fix)[0], cfg.eval.data)
+        elif cfg.eval.interval:  # the last samples, never trained on
+            keep = len(dataset) - int(len(dataset) * cfg.eval.split)
+            self.eval_data = (Subset(dataset, range(keep, len(dataset))), f"eval.split={cfg.eval.split} of the data")
+            self.data_description += f"; the last {len(dataset) - keep:,} held out for evaluation"
+            dataset = Subset(dataset, range(keep))
         dp = self.mesh["dp"]
         return BatchStream(dataset, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
                            dp_size=dp.size(), dp_rank=dp.get_local_rank(), shuffle=cfg.data.shuffle,
@@ -254,6 +267,9 @@ class Trainer:
                         if (path := snapshots.dump(f"oom_step{self.step + 1}")) is not None:
                             print(f"[rank {rank}] out of memory: memory snapshot in {path}", flush=True)
                         raise
+                    if self.evaluator and (self.step % cfg.eval.interval == 0 or self.step == cfg.train.steps):
+                        metrics |= self.evaluator.evaluate()
+                        self.clock.mark("eval")
                     if self.checkpointer.should_save(self.step):
                         path = self.checkpointer.save(self.step)
                         self.clock.mark("checkpoint")

@@ -68,6 +68,9 @@ RULES: list[Rule] = [
     _positive("train.activation_checkpointing_every", "use 1 to checkpoint every layer"),
     _non_negative("train.seed"),
     _non_negative("train.grad_clip", "use 0 to disable clipping, or e.g. 1.0"),
+    _non_negative("eval.interval", "use 0 for no evaluation, or e.g. 100"),
+    _positive("eval.steps"),
+    ("eval.split", lambda v: 0 <= v < 1, "must be in [0, 1)", "use e.g. 0.01 to hold out 1% of the training samples"),
     _non_negative("checkpoint.interval", "use 0 to save nothing"),
     _non_negative("checkpoint.keep_last", "use 0 to keep all"),
     _above_zero("checkpoint.hf_max_shard_gb", "use e.g. 5"),
@@ -96,6 +99,10 @@ def check_ranges(cfg: JobConfig) -> None:
         value = _value(cfg, field)
         if not holds(value):
             raise ConfigError(f"{field}={value} {words}. Fix: {fix}")
+    e = cfg.eval
+    if e.interval and not e.data and not e.split:
+        raise ConfigError(f"eval.interval={e.interval} needs held-out data. Fix: set eval.data to a held-out "
+                          "dataset, or eval.split to the fraction of the training samples to hold out (e.g. 0.01)")
     m = cfg.model
     if m.head_dim is None and m.hidden_size % m.num_attention_heads:
         raise ConfigError(f"model.hidden_size={m.hidden_size} must be divisible by model.num_attention_heads="

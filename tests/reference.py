@@ -4,6 +4,8 @@ Plain modules, torch's own clip_grad_norm_, no mesh, no DTensor: only the buildi
 have nothing parallel in them (model, init, data order, optimizer groups, schedule) are shared.
 """
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -32,8 +34,12 @@ def reference_run(cfg: JobConfig) -> dict:
         moe.aux_loss_scale = 1.0 / stream.accum  # the loss below is averaged over the micro-batches
     optimizer = build_optimizer([model], cfg.optimizer)
     scheduler = build_lr_scheduler(optimizer, t.steps, cfg.lr_schedule)
-    losses, grad_norms = [], []
-    for _ in range(t.steps):
+    losses, grad_norms, val_losses = [], [], []
+    held_out = None
+    if cfg.eval.interval:
+        held_out = training_dataset(dataclasses.replace(cfg.data, path=cfg.eval.data, blend=[]), t.seq_len, t.seed,
+                                    cfg.model.vocab_size)[0]
+    for step in range(1, t.steps + 1):
         batches = stream.next_step()
         total = 0.0
         for x, y in batches:
@@ -49,4 +55,19 @@ def reference_run(cfg: JobConfig) -> dict:
                 moe.update_bias(moe.tokens_per_expert, cfg.model.router_bias_update_rate)
             moe.reset_statistics()
         losses.append(total)
-    return {"losses": losses, "grad_norms": grad_norms, "state": model.state_dict()}
+        if held_out is not None and (step % cfg.eval.interval == 0 or step == t.steps):
+            val_losses.append(evaluate(model, held_out, cfg.eval.steps * t.global_batch_size))
+    return {"losses": losses, "grad_norms": grad_norms, "state": model.state_dict(), "val_losses": val_losses}
+
+
+@torch.no_grad()
+def evaluate(model, dataset, samples: int) -> float:
+    """The mean token loss over the first ``samples`` held-out samples, in order."""
+    model.eval()
+    total = count = 0.0
+    for i in range(samples):
+        x, y = dataset[i]
+        total += F.cross_entropy(model(x[None]).flatten(0, 1), y, reduction="sum").item()
+        count += y.numel()
+    model.train()
+    return total / count

@@ -209,7 +209,7 @@ class MoE(nn.Module):
         if self.shared_expert is not None:
             combined = combined + self.shared_expert(flat)
         recompute = torch._C._current_graph_task_id() != -1  # activation checkpointing, in backward
-        if not recompute:
+        if not recompute and self.training:  # training's load; evaluation leaves it (and bias balancing) alone
             with torch.no_grad():
                 self.tokens_per_expert += routed.to(self.tokens_per_expert.dtype)  # routed, dropped or not
                 self.dropped_per_expert += (routed - counts).to(self.dropped_per_expert.dtype)

@@ -65,7 +65,7 @@ class Pipeline:
         cls = get_schedule_class(schedule)
         stages = self.stages[0] if issubclass(cls, PipelineScheduleSingle) else self.stages
         self.schedule = cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
-        self.device = device
+        self.device, self.n_microbatches = device, n_microbatches
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward and backward of one optimizer step's batch; returns the mean micro-batch loss,
@@ -80,3 +80,13 @@ class Pipeline:
                                  for x in losses]).mean()
         dist.all_reduce(loss, group=self.pp_mesh.get_group())
         return loss
+
+    def eval_losses(self, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+        """Forward only, through the schedule's eval path: each micro-batch's loss on the last
+        stage, zeros elsewhere."""
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        self.schedule.eval(*args, target=labels if self.has_last else None, losses=losses, return_outputs=False)
+        if not self.has_last:
+            return [torch.zeros((), device=self.device)] * self.n_microbatches
+        return [(x.full_tensor() if isinstance(x, DTensor) else x).detach().float() for x in losses]

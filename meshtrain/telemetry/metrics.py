@@ -131,4 +131,5 @@ def format_metrics(step: int, total: int, m: dict[str, float]) -> str:
             f"lr {m['lr']:.2e}  tok/s {m['tokens_per_s']:,.0f}  TFLOP/s/dev {m['tflops_per_device']:.3f}  "
             f"MFU {mfu}  mem {m['memory_gib']:.2f}GiB"
             + (f"  aux {m['moe_aux_loss']:.3f}  imbalance {m['moe_imbalance']:.2f}" if "moe_imbalance" in m else "")
-            + (f"  dropped {100 * m['moe_dropped']:.1f}%" if "moe_dropped" in m else ""))
+            + (f"  dropped {100 * m['moe_dropped']:.1f}%" if "moe_dropped" in m else "")
+            + (f"  val_loss {m['val_loss']:.4f}  val_ppl {m['val_ppl']:.2f}" if "val_loss" in m else ""))

@@ -18,7 +18,7 @@ import torch
 from meshtrain.config import ProfilingConfig
 from meshtrain.parallel._torch_private import dump_cuda_memory_snapshot, record_cuda_memory_history
 
-PHASES = ("data", "forward_backward", "optimizer", "checkpoint")
+PHASES = ("data", "forward_backward", "optimizer", "eval", "checkpoint")
 
 
 def trace_path(run_dir: pathlib.Path, rank: int) -> pathlib.Path:

@@ -24,11 +24,19 @@ def run(args, out, runtime) -> None:
     def counting():  # dynamo does not trace under a Python dispatch mode: compiled jobs go uncounted
         return contextlib.nullcontext(SimpleNamespace(counts={})) if cfg.train.compile else CollectiveCounter()
 
+    val_losses = []
+
+    def step() -> dict:
+        metrics = trainer.train_step()
+        if trainer.evaluator and (trainer.step % cfg.eval.interval == 0 or trainer.step == cfg.train.steps):
+            val_losses.append(trainer.evaluator.evaluate()["val_loss"])
+        return metrics
+
     with counting() as comm:
-        history = [trainer.train_step()]
+        history = [step()]
     with counting() as comm2:  # steady state: step 1 also holds one-off set-up (pipeline shapes)
-        history.append(trainer.train_step())
-    history += [trainer.train_step() for _ in range(cfg.train.steps - 2)]
+        history.append(step())
+    history += [step() for _ in range(cfg.train.steps - 2)]
     # Each pipeline stage gathers its own full weights; rank 0 merges the stages' global names.
     state = {}
     for part in trainer.parts:
@@ -46,5 +54,6 @@ def run(args, out, runtime) -> None:
             "comm_counts": dict(comm.counts),
             "comm_bytes": dict(comm.bytes),
             "compiled_graphs": trainer.compiled_graphs,
+            "val_losses": val_losses,
             "comm_counts_step2": dict(comm2.counts),
         }, out / "out.pt")
