@@ -2,9 +2,10 @@
 
 The token stream (``data.sources``: memory-mapped prepared data, or raw text) is packed
 into fixed-length samples of seq_len + 1 tokens (inputs and shifted labels), so no token is padding.
-A ``StatefulDistributedSampler`` over the dp ranks feeds a ``StatefulDataLoader``: rank r of dp
-takes samples r, r+dp, ..., so the samples of one optimizer step are the same set for every dp size
-(what makes a dp run comparable with the single-rank run), and the loader's state is checkpointable.
+A ``ShuffledSampler`` over the dp ranks (``data.sampler``: DistributedSampler's contract in constant
+memory) feeds a ``StatefulDataLoader``: rank r of dp takes samples r, r+dp, ..., so the samples of
+one optimizer step are the same set for every dp size (what makes a dp run comparable with the
+single-rank run), and the position is checkpointable.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from typing import Iterator
 import torch
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
+from meshtrain.data.sampler import ShuffledSampler
 from meshtrain.errors import DataError
 
 # torchdata 0.11 calls torch.set_vital, deprecated in torch 2.13: one warning per rank and loader,
@@ -64,9 +65,7 @@ class BatchStream:
                 f"global batch ({global_batch}); add data or lower train.global_batch_size / train.seq_len"
             )
         self.accum = global_batch // (micro_batch * dp_size)
-        self.sampler = StatefulDistributedSampler(
-            dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=seed, drop_last=True
-        )
+        self.sampler = ShuffledSampler(len(dataset), num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=seed)
         self.loader = StatefulDataLoader(
             dataset, batch_size=micro_batch, sampler=self.sampler, drop_last=True, num_workers=num_workers
         )
