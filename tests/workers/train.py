@@ -22,7 +22,7 @@ def run(args, out, runtime) -> None:
     trainer = Trainer(cfg, runtime, mesh)
 
     def counting():  # dynamo does not trace under a Python dispatch mode: compiled jobs go uncounted
-        return contextlib.nullcontext(SimpleNamespace(counts={})) if cfg.train.compile else CollectiveCounter()
+        return contextlib.nullcontext(SimpleNamespace(counts={}, bytes={})) if cfg.train.compile else CollectiveCounter()
 
     val_losses = []
 
