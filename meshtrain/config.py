@@ -193,6 +193,13 @@ class DataConfig:
     """Field holding the text in jsonl/parquet records."""
     tokenizer: str = "byte"
     """"byte" (UTF-8 bytes, no files needed) or the path of a Hugging Face tokenizer.json."""
+    document_mask: Literal["auto", "on", "off"] = "auto"
+    """Attention inside each packed document only (block-causal, documents found by their EOS). auto:
+    on where an EOS id is known and the layout supports it (not yet under cp), said in the log."""
+    reset_position_ids: bool = False
+    """With document masking: RoPE positions restart at 0 in every document of a packed sample."""
+    eos_id: int | None = None
+    """The end-of-document token. Default: the tokenizer's, or the one recorded by `meshtrain prepare`."""
     shuffle: bool = True
     num_workers: int = 0
     """DataLoader worker processes per rank."""

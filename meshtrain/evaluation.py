@@ -75,7 +75,7 @@ class Evaluator:
         if trainer.pipeline is not None:
             inputs, labels = (torch.cat(x).to(device) for x in zip(*batches))
             with sequence_sharded(trainer.mesh, [inputs, labels], trainer.parts, rotate):
-                means = trainer.pipeline.eval_losses(inputs, labels)
+                means = trainer.pipeline.eval_losses(inputs, labels, trainer.documents(inputs))
                 valid = [(mb != IGNORE).sum() for mb in labels.tensor_split(trainer.pipeline.n_microbatches)]
             total = sum((m.double() * v for m, v in zip(means, valid)), torch.zeros((), dtype=torch.float64,
                                                                                     device=device))
@@ -86,7 +86,7 @@ class Evaluator:
         for inputs, labels in batches:
             inputs, labels = inputs.to(device), labels.to(device)
             with sequence_sharded(trainer.mesh, [inputs, labels], trainer.parts, rotate):
-                mean = self.loss_fn(model(inputs), labels)
+                mean = self.loss_fn(model(inputs, trainer.documents(inputs)), labels)
                 valid = (labels != IGNORE).sum()
             mean = mean.full_tensor() if isinstance(mean, DTensor) else mean
             loss_sum += mean.double() * valid

@@ -25,12 +25,13 @@ from meshtrain.checkpoint.checkpointer import Checkpointer
 from meshtrain.config import JobConfig
 from meshtrain.config_files import to_dict
 from meshtrain.data.loader import BatchStream
-from meshtrain.data.sources import training_dataset
-from meshtrain.errors import TrainingError
+from meshtrain.data.sources import end_of_document_id, training_dataset
+from meshtrain.errors import ConfigError, TrainingError
 from meshtrain.evaluation import Evaluator
 from meshtrain.hf.adapter import read_hf_config
 from meshtrain.hf.io import check_finite, export_dtypes, load_hf_weights, save_hf, tokenizer_files
 from meshtrain.models.float8 import precompute_fsdp_scales
+from meshtrain.models.documents import document_ids
 from meshtrain.models.moe import MoE
 from meshtrain.models.transformer import count_active_parameters, count_parameters
 from meshtrain.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
@@ -90,6 +91,8 @@ class Trainer:
                    f"use the tokenizer {cfg.model.init_from_hf} was trained with (a tokenizer.json of at most "
                    f"{cfg.model.vocab_size} tokens)")
         dataset, self.data_description = training_dataset(cfg.data, t.seq_len, t.seed, cfg.model.vocab_size, fix)
+        self.document_eos, masking = self._document_masking()
+        self.data_description += f"; {masking}"
         self.eval_data = None
         if cfg.eval.interval and cfg.eval.data:
             held_out = dataclasses.replace(cfg.data, path=cfg.eval.data, blend=[])
@@ -103,6 +106,23 @@ class Trainer:
         return BatchStream(dataset, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
                            dp_size=dp.size(), dp_rank=dp.get_local_rank(), shuffle=cfg.data.shuffle,
                            seed=t.seed, num_workers=cfg.data.num_workers)
+
+    def _document_masking(self) -> tuple[int | None, str]:
+        """The EOS id that separates documents when attention is document-masked (else None), and
+        what the log says about it."""
+        d = self.cfg.data
+        if d.document_mask == "off":
+            return None, "document masking off"
+        if self.mesh.size("cp") > 1:  # plan_layout refused document_mask=on under cp
+            return None, "document masking off: not supported under cp yet"
+        eos = end_of_document_id(d)
+        if eos is None:
+            if d.document_mask == "on":
+                raise ConfigError("data.document_mask=on needs the end-of-document token, and neither the tokenizer "
+                                  "nor the data names one. Fix: set data.eos_id")
+            return None, "document masking off: no EOS id known (set data.eos_id)"
+        return eos, (f"document masking on (EOS {eos}"
+                     f"{', positions restart per document' if d.reset_position_ids else ''})")
 
     def _build_model_parts(self) -> tuple[list[torch.nn.Module], Pipeline | None]:
         """The whole model, or this pp rank's stages and the schedule that drives them."""
@@ -153,7 +173,7 @@ class Trainer:
             if self.pipeline is not None:
                 inputs, labels = (torch.cat(x).to(device) for x in zip(*batches))
                 with sequence_sharded(self.mesh, [inputs, labels], self.parts, rotate):
-                    step_loss = self.pipeline.step(inputs, labels)
+                    step_loss = self.pipeline.step(inputs, labels, self.documents(inputs))
             else:
                 step_loss = torch.zeros((), device=device)
                 (model,) = self.parts
@@ -161,7 +181,7 @@ class Trainer:
                     before_micro_batch(model, self.cfg.parallel.fsdp_accumulate, last=i == len(batches) - 1)
                     inputs, labels = inputs.to(device), labels.to(device)
                     with sequence_sharded(self.mesh, [inputs, labels], self.parts, rotate):
-                        loss = cross_entropy(model(inputs), labels) / len(batches)
+                        loss = cross_entropy(model(inputs, self.documents(inputs)), labels) / len(batches)
                         loss.backward()
                     step_loss += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
         dp_cp = self.mesh["dp_cp"]
@@ -205,6 +225,10 @@ class Trainer:
         if self.peak_tflops:
             metrics["mfu"] = tflops / self.peak_tflops
         return metrics | expert_metrics
+
+    def documents(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """The document ids of a batch when attention is document-masked."""
+        return document_ids(inputs, self.document_eos) if self.document_eos is not None else None
 
     @torch.no_grad()
     def expert_load_step(self) -> dict[str, float]:

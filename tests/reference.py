@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from meshtrain.config import JobConfig
 from meshtrain.data.loader import BatchStream
-from meshtrain.data.sources import training_dataset
+from meshtrain.data.sources import end_of_document_id, training_dataset
+from meshtrain.models.documents import document_ids
 from meshtrain.models.float8 import convert_to_float8
 from meshtrain.models.initialize import init_weights
 from meshtrain.models.transformer import Transformer
@@ -23,6 +24,11 @@ def reference_run(cfg: JobConfig) -> dict:
     t = cfg.train
     torch.manual_seed(t.seed)
     model = Transformer(cfg.model)
+    model.reset_position_ids = cfg.data.reset_position_ids
+    eos = end_of_document_id(cfg.data) if cfg.data.document_mask != "off" else None
+
+    def documents(x):
+        return document_ids(x, eos) if eos is not None else None
     if t.float8:
         convert_to_float8(model, emulate=t.float8_emulate)
     init_weights(model, t.seed)
@@ -43,7 +49,7 @@ def reference_run(cfg: JobConfig) -> dict:
         batches = stream.next_step()
         total = 0.0
         for x, y in batches:
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / len(batches)
+            loss = F.cross_entropy(model(x, documents(x)).flatten(0, 1), y.flatten()) / len(batches)
             loss.backward()
             total += loss.item()
         grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip).item())
@@ -56,18 +62,18 @@ def reference_run(cfg: JobConfig) -> dict:
             moe.reset_statistics()
         losses.append(total)
         if held_out is not None and (step % cfg.eval.interval == 0 or step == t.steps):
-            val_losses.append(evaluate(model, held_out, cfg.eval.steps * t.global_batch_size))
+            val_losses.append(evaluate(model, held_out, cfg.eval.steps * t.global_batch_size, documents))
     return {"losses": losses, "grad_norms": grad_norms, "state": model.state_dict(), "val_losses": val_losses}
 
 
 @torch.no_grad()
-def evaluate(model, dataset, samples: int) -> float:
+def evaluate(model, dataset, samples: int, documents) -> float:
     """The mean token loss over the first ``samples`` held-out samples, in order."""
     model.eval()
     total = count = 0.0
     for i in range(samples):
         x, y = dataset[i]
-        total += F.cross_entropy(model(x[None]).flatten(0, 1), y, reduction="sum").item()
+        total += F.cross_entropy(model(x[None], documents(x[None])).flatten(0, 1), y, reduction="sum").item()
         count += y.numel()
     model.train()
     return total / count

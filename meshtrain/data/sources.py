@@ -59,3 +59,21 @@ def training_dataset(cfg: DataConfig, seq_len: int, seed: int, model_vocab: int,
     blend = BlendedDataset(parts, [w for w, _ in pairs], seed, [p for _, p in pairs])
     shares = ", ".join(f"{name} {n:,} ({n / len(blend):.1%})" for name, n in blend.counts.items())
     return blend, f"data: blend of {len(blend):,} samples: {shares}"
+
+
+def end_of_document_id(cfg: DataConfig) -> int | None:
+    """data.eos_id, else what the data says: the EOS recorded by `meshtrain prepare`, or the
+    tokenizer's for text (None where nothing says, e.g. a Megatron dataset from elsewhere)."""
+    if cfg.eos_id is not None:
+        return cfg.eos_id
+    found = set()
+    for path in ([p for _, p in parse_blend(cfg.blend)] if cfg.blend else [cfg.path]):
+        if is_indexed(path):
+            meta = pathlib.Path(prefix_of(path) + ".json")
+            found.add(json.loads(meta.read_text()).get("eos_id") if meta.is_file() else None)
+        else:
+            found.add(build_tokenizer(dataclasses.replace(cfg, path=path)).eos_id)
+    if len(found) > 1:
+        raise DataError(f"data.blend: its datasets end documents with different tokens ({sorted(map(str, found))}); "
+                        "prepare them with one tokenizer, or set data.eos_id")
+    return found.pop()

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from meshtrain.config import ModelConfig, RopeScalingConfig
 from meshtrain.models.checkpointing import run_layer
+from meshtrain.models.documents import block_causal_mask, positions_in_document
 from meshtrain.models.moe import MoE
 
 
@@ -54,8 +55,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [batch, seq, heads, head_dim]; cos/sin: [seq, head_dim]."""
-    cos, sin = cos[None, :, None, :].to(x.dtype), sin[None, :, None, :].to(x.dtype)
+    """x: [batch, seq, heads, head_dim]; cos/sin: [seq, head_dim], or [batch, seq, head_dim] when each
+    token has its own position (documents restarting theirs)."""
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    cos, sin = cos[:, :, None, :].to(x.dtype), sin[:, :, None, :].to(x.dtype)
     return x * cos + _rotate_half(x) * sin
 
 
@@ -82,9 +86,11 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """cos/sin: the whole RoPE tables; the sequence length is read here, where the input is whole
-        even when sequence parallelism splits the residual stream."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """cos/sin: the whole RoPE tables (or per-token rows); the sequence length is read here, where
+        the input is whole even when sequence parallelism splits the residual stream. mask: the
+        block-causal document mask (models/documents.py), or None for plain causal attention."""
         batch, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.q_proj(x).view(batch, seq, -1, self.head_dim)
@@ -92,11 +98,12 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos[:seq], sin[:seq]
+        if cos.dim() == 2:
+            cos, sin = cos[:seq], sin[:seq]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
-        )
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None,
+            enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -124,13 +131,15 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return self.mlp_residual(self.attention_residual(x, cos, sin))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.mlp_residual(self.attention_residual(x, cos, sin, mask))
 
     # The two halves are methods of their own so that train.compile can compile the attention half
     # alone where the MLP half (MoE routing) has data-dependent shapes.
-    def attention_residual(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def attention_residual(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           mask: torch.Tensor | None = None) -> torch.Tensor:
+        return x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
 
     def mlp_residual(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -142,6 +151,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.activation_checkpointing = "none"  # or "full" / "selective" (models/checkpointing.py)
         self.activation_checkpointing_every = 1
+        self.reset_position_ids = False  # with document ids: RoPE positions restart per document
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -152,14 +162,21 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids to logits; a pipeline stage without the embedding takes hidden states, and one
-        without the output head returns them."""
-        cos, sin = self.rope_cos, self.rope_sin
+        without the output head returns them. ``document_ids`` ([batch, seq], models/documents.py):
+        attention stays inside each document of a packed sample."""
+        cos, sin, mask = self.rope_cos, self.rope_sin, None
+        # A batch of single-document samples needs no mask: plain causal attention (flash kernels).
+        if document_ids is not None and bool(document_ids[:, -1].any()):
+            mask = block_causal_mask(document_ids)
+            if self.reset_position_ids:
+                positions = positions_in_document(document_ids)
+                cos, sin = cos[positions], sin[positions]
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
         for index, layer in self.layers.items():
             h = run_layer(layer, int(index), self.activation_checkpointing, self.activation_checkpointing_every,
-                          h, cos, sin)
+                          h, cos, sin, mask)
         if self.lm_head is None:
             return h
         return self.lm_head(self.norm(h))

@@ -36,6 +36,7 @@ def build_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device, stage:
         convert_to_float8(model, fsdp_all_gather=float8_all_gather(cfg, mesh), emulate=cfg.train.float8_emulate)
     model.activation_checkpointing = cfg.train.activation_checkpointing
     model.activation_checkpointing_every = cfg.train.activation_checkpointing_every
+    model.reset_position_ids = cfg.data.reset_position_ids
     if mesh.size("tp") > 1:
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=cfg.parallel.sp,
                               loss_parallel=cfg.parallel.loss_parallel, float8=cfg.train.float8)

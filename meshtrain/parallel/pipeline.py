@@ -67,13 +67,14 @@ class Pipeline:
         self.schedule = cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
         self.device, self.n_microbatches = device, n_microbatches
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Forward and backward of one optimizer step's batch; returns the mean micro-batch loss,
-        on every pp rank."""
+        on every pp rank. ``document_ids`` go to every stage (split into micro-batches like the inputs)."""
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
+        kwargs = {"document_ids": document_ids} if document_ids is not None else {}
         self.schedule.step(*args, target=labels if self.has_last else None, losses=losses,
-                           return_outputs=False)
+                           return_outputs=False, **kwargs)
         loss = torch.zeros((), device=self.device)
         if self.has_last:
             loss += torch.stack([(x.full_tensor() if isinstance(x, DTensor) else x).detach().float()
@@ -81,12 +82,15 @@ class Pipeline:
         dist.all_reduce(loss, group=self.pp_mesh.get_group())
         return loss
 
-    def eval_losses(self, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+    def eval_losses(self, inputs: torch.Tensor, labels: torch.Tensor,
+                    document_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Forward only, through the schedule's eval path: each micro-batch's loss on the last
         stage, zeros elsewhere."""
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
-        self.schedule.eval(*args, target=labels if self.has_last else None, losses=losses, return_outputs=False)
+        kwargs = {"document_ids": document_ids} if document_ids is not None else {}
+        self.schedule.eval(*args, target=labels if self.has_last else None, losses=losses, return_outputs=False,
+                           **kwargs)
         if not self.has_last:
             return [torch.zeros((), device=self.device)] * self.n_microbatches
         return [(x.full_tensor() if isinstance(x, DTensor) else x).detach().float() for x in losses]

@@ -72,11 +72,11 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, sequence_p
         }
         # The block inputs become one Replicate DTensor shared by q/k/v (gate/up), so backward sums
         # their Partial input gradients first and all-reduces once per block, not once per projection
-        # (bench/compare.py measured 3 extra all-reduces per layer without this). (hidden, cos, sin):
-        # under SP this also gathers the sequence before the column-parallel projections.
+        # (bench/compare.py measured 3 extra all-reduces per layer without this). (hidden, cos, sin,
+        # mask): under SP this also gathers the sequence before the column-parallel projections.
         # With float8 the input is cast before the gather (half of bf16's bytes) with its global amax.
-        plan["self_attn"] = prepare_input(input_layouts=(residual, None, None),
-                                          desired_input_layouts=(Replicate(), None, None))
+        plan["self_attn"] = prepare_input(input_layouts=(residual, None, None, None),
+                                          desired_input_layouts=(Replicate(), None, None, None))
         if isinstance(layer.mlp, MoE):
             # Each tp rank routes its own slice of the sequence (free under SP; a slice in and an
             # all-gather out without it); the MoE weights stay whole, see sum_moe_grads_over_tp.

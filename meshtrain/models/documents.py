@@ -1,0 +1,38 @@
+"""Document masking of packed samples: attention never crosses a document boundary.
+
+Packing joins documents with EOS, so a sample of seq_len tokens may hold the end of one document and
+the start of others. From the input ids alone (a token after an EOS starts a new document) come each
+token's document id, the block-causal mask (a token attends to earlier tokens of its own document),
+and, with ``data.reset_position_ids``, RoPE positions that restart at each document, so a packed
+sample computes what its documents would compute one by one. Megatron's names: reset_attention_mask,
+reset_position_ids. The mask goes to SDPA as a boolean ``attn_mask`` (the math kernel on CPU, the
+memory-efficient one on CUDA).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def document_ids(inputs: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """[batch, seq] ids: 0 for the first document of each sample, +1 after every EOS."""
+    starts = torch.zeros_like(inputs, dtype=torch.int32)
+    starts[:, 1:] = (inputs[:, :-1] == eos_id).to(torch.int32)
+    return starts.cumsum(1, dtype=torch.int32)
+
+
+def block_causal_mask(ids: torch.Tensor) -> torch.Tensor:
+    """[batch, 1, seq, seq] bool: query i may attend key j iff j <= i in the same document."""
+    seq = ids.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=ids.device).tril()
+    return ((ids[:, :, None] == ids[:, None, :]) & causal)[:, None]
+
+
+def positions_in_document(ids: torch.Tensor) -> torch.Tensor:
+    """[batch, seq] each token's offset from the start of its document."""
+    seq = ids.shape[1]
+    index = torch.arange(seq, device=ids.device).expand_as(ids)
+    new = torch.ones_like(ids, dtype=torch.bool)
+    new[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    start = torch.where(new, index, torch.zeros_like(index)).cummax(1).values
+    return index - start
