@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -86,8 +87,8 @@ def _encode_chunk(documents: list[str], append_eos: bool) -> tuple[torch.Tensor,
     encode = getattr(_tokenizer, "encode_batch", None)
     ids = encode(documents) if encode else [_tokenizer.encode(d) for d in documents]
     eos = [_tokenizer.eos_id] if append_eos and _tokenizer.eos_id is not None else []
-    ids = [d + eos for d in ids]
-    return torch.tensor([t for d in ids for t in d], dtype=torch.int32), [len(d) for d in ids]
+    flat = list(itertools.chain.from_iterable(d + eos for d in ids))
+    return torch.tensor(flat, dtype=torch.int32), [len(d) + len(eos) for d in ids]
 
 
 def _chunks(files: list[pathlib.Path], text_field: str, size: int) -> Iterator[list[str]]:
