@@ -99,7 +99,7 @@ def train_worker(args: argparse.Namespace) -> None:
 
 
 def run_training(args, prefix: pathlib.Path, out: pathlib.Path) -> list[dict]:
-    result = out / f"{prefix.name}.json"
+    result = out / f"result-{prefix.name}.json"  # not PREFIX.json: that is the dataset's metadata
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
            str(pathlib.Path(__file__).resolve()), "--worker", "--data", str(prefix), "--result", str(result),

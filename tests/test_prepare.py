@@ -269,3 +269,10 @@ def test_a_yaml_blend_takes_numbers_for_weights(tmp_path):
     (tmp_path / "job.yaml").write_text("data:\n  blend: [0.7, data/web, 0.3, data/code]\n")
     cfg = parse(JobConfig, ["--config", str(tmp_path / "job.yaml")], "t")
     assert cfg.data.blend == ["0.7", "data/web", "0.3", "data/code"]
+
+
+def test_a_prefix_json_that_is_not_prepares_is_not_read_as_its_metadata(tmp_path):
+    write_by_spec(tmp_path / "d", [[1, 2, 3]], [1], "uint16")
+    (tmp_path / "d.json").write_text("[1, 2, 3]\n")  # someone else's file beside a Megatron pair
+    tokens, _ = training_tokens(DataConfig(path=str(tmp_path / "d")), 384)
+    assert tokens.tolist() == [1, 2, 3]

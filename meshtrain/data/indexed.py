@@ -13,6 +13,7 @@ Reading maps both files: a rank's memory holds the pages it touches, not the cor
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import pathlib
@@ -44,6 +45,17 @@ def is_indexed(path: str | os.PathLike) -> bool:
 def prefix_of(path: str | os.PathLike) -> str:
     text = str(path)
     return text[:-4] if text.endswith((".bin", ".idx")) else text
+
+
+def prepared_metadata(path: str | os.PathLike) -> dict:
+    """What `meshtrain prepare` recorded in PREFIX.json (tokenizer, vocab_size, eos_id, ...); {} for a
+    dataset prepared elsewhere (a PREFIX.json that is not prepare's is not read as one)."""
+    meta = pathlib.Path(prefix_of(path) + ".json")
+    try:
+        data = json.loads(meta.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) and str(data.get("format", "")).startswith("meshtrain-prepare") else {}
 
 
 def _map(path: pathlib.Path) -> mmap.mmap | None:

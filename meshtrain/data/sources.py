@@ -8,7 +8,6 @@ the page cache, shared by every rank on a node, and each rank touches only the s
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 
 import torch
@@ -16,7 +15,7 @@ from torch.utils.data import Dataset
 
 from meshtrain.config import DataConfig
 from meshtrain.data.blend import BlendedDataset, parse_blend
-from meshtrain.data.indexed import IndexedDataset, is_indexed, prefix_of
+from meshtrain.data.indexed import IndexedDataset, is_indexed, prepared_metadata
 from meshtrain.data.loader import PackedDataset
 from meshtrain.data.text import tokenize_corpus
 from meshtrain.data.tokenizer import build_tokenizer
@@ -28,11 +27,10 @@ def training_tokens(cfg: DataConfig, model_vocab: int, fix: str | None = None) -
     vocabulary is larger than the model's, for an imported model (default: raise model.vocab_size)."""
     if is_indexed(cfg.path):
         dataset = IndexedDataset.open(cfg.path)
-        meta = pathlib.Path(prefix_of(cfg.path) + ".json")
-        vocab = json.loads(meta.read_text()).get("vocab_size") if meta.is_file() else None
+        vocab = prepared_metadata(cfg.path).get("vocab_size")
         if vocab is not None and vocab > model_vocab:
             raise DataError(f"model.vocab_size={model_vocab} is smaller than the vocabulary {dataset.prefix} was "
-                            f"prepared with ({vocab}, {meta.name}). Fix: "
+                            f"prepared with ({vocab}, {pathlib.Path(dataset.prefix).name}.json). Fix: "
                             f"{fix + ' (and prepare the data with it)' if fix else f'model.vocab_size >= {vocab}'}")
         return dataset.tokens, f"{dataset.prefix}.bin"
     tokenizer = build_tokenizer(cfg)
@@ -69,8 +67,7 @@ def end_of_document_id(cfg: DataConfig) -> int | None:
     found = set()
     for path in ([p for _, p in parse_blend(cfg.blend)] if cfg.blend else [cfg.path]):
         if is_indexed(path):
-            meta = pathlib.Path(prefix_of(path) + ".json")
-            found.add(json.loads(meta.read_text()).get("eos_id") if meta.is_file() else None)
+            found.add(prepared_metadata(path).get("eos_id"))
         else:
             found.add(build_tokenizer(dataclasses.replace(cfg, path=path)).eos_id)
     if len(found) > 1:
