@@ -195,7 +195,7 @@ class DataConfig:
     """"byte" (UTF-8 bytes, no files needed) or the path of a Hugging Face tokenizer.json."""
     document_mask: Literal["auto", "on", "off"] = "auto"
     """Attention inside each packed document only (block-causal, documents found by their EOS). auto:
-    on where an EOS id is known and the layout supports it (not yet under cp), said in the log."""
+    on where an EOS id is known, said in the log (on: an error where none is)."""
     reset_position_ids: bool = False
     """With document masking: RoPE positions restart at 0 in every document of a packed sample."""
     eos_id: int | None = None

@@ -23,7 +23,6 @@ from torch.utils.data import Dataset
 
 from meshtrain.data.loader import BatchStream
 from meshtrain.errors import DataError
-from meshtrain.parallel.context import sequence_sharded
 
 IGNORE = -100
 
@@ -71,11 +70,11 @@ class Evaluator:
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_tokens": float(totals[1])}
 
     def _batch_loss(self, batches, device) -> tuple[torch.Tensor, torch.Tensor]:
-        trainer, rotate = self.trainer, self.trainer.cfg.parallel.cp_rotate_method
+        trainer = self.trainer
         if trainer.pipeline is not None:
             inputs, labels = (torch.cat(x).to(device) for x in zip(*batches))
-            with sequence_sharded(trainer.mesh, [inputs, labels], trainer.parts, rotate):
-                means = trainer.pipeline.eval_losses(inputs, labels, trainer.documents(inputs))
+            with trainer.sharded(inputs, labels) as document_ids:
+                means = trainer.pipeline.eval_losses(inputs, labels, document_ids)
                 valid = [(mb != IGNORE).sum() for mb in labels.tensor_split(trainer.pipeline.n_microbatches)]
             total = sum((m.double() * v for m, v in zip(means, valid)), torch.zeros((), dtype=torch.float64,
                                                                                     device=device))
@@ -85,8 +84,8 @@ class Evaluator:
         count = torch.zeros((), dtype=torch.float64, device=device)
         for inputs, labels in batches:
             inputs, labels = inputs.to(device), labels.to(device)
-            with sequence_sharded(trainer.mesh, [inputs, labels], trainer.parts, rotate):
-                mean = self.loss_fn(model(inputs, trainer.documents(inputs)), labels)
+            with trainer.sharded(inputs, labels) as document_ids:
+                mean = self.loss_fn(model(inputs, document_ids), labels)
                 valid = (labels != IGNORE).sum()
             mean = mean.full_tensor() if isinstance(mean, DTensor) else mean
             loss_sum += mean.double() * valid

@@ -13,6 +13,7 @@ import dataclasses
 import math
 import pathlib
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -113,8 +114,6 @@ class Trainer:
         d = self.cfg.data
         if d.document_mask == "off":
             return None, "document masking off"
-        if self.mesh.size("cp") > 1:  # plan_layout refused document_mask=on under cp
-            return None, "document masking off: not supported under cp yet"
         eos = end_of_document_id(d)
         if eos is None:
             if d.document_mask == "on":
@@ -168,20 +167,19 @@ class Trainer:
         start = time.perf_counter()
         batches = self.stream.next_step()
         self.clock.mark("data")
-        rotate = self.cfg.parallel.cp_rotate_method
         with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
             if self.pipeline is not None:
                 inputs, labels = (torch.cat(x).to(device) for x in zip(*batches))
-                with sequence_sharded(self.mesh, [inputs, labels], self.parts, rotate):
-                    step_loss = self.pipeline.step(inputs, labels, self.documents(inputs))
+                with self.sharded(inputs, labels) as document_ids:
+                    step_loss = self.pipeline.step(inputs, labels, document_ids)
             else:
                 step_loss = torch.zeros((), device=device)
                 (model,) = self.parts
                 for i, (inputs, labels) in enumerate(batches):
                     before_micro_batch(model, self.cfg.parallel.fsdp_accumulate, last=i == len(batches) - 1)
                     inputs, labels = inputs.to(device), labels.to(device)
-                    with sequence_sharded(self.mesh, [inputs, labels], self.parts, rotate):
-                        loss = cross_entropy(model(inputs, self.documents(inputs)), labels) / len(batches)
+                    with self.sharded(inputs, labels) as document_ids:
+                        loss = cross_entropy(model(inputs, document_ids), labels) / len(batches)
                         loss.backward()
                     step_loss += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
         dp_cp = self.mesh["dp_cp"]
@@ -226,9 +224,15 @@ class Trainer:
             metrics["mfu"] = tflops / self.peak_tflops
         return metrics | expert_metrics
 
-    def documents(self, inputs: torch.Tensor) -> torch.Tensor | None:
-        """The document ids of a batch when attention is document-masked."""
-        return document_ids(inputs, self.document_eos) if self.document_eos is not None else None
+    @contextlib.contextmanager
+    def sharded(self, inputs: torch.Tensor, labels: torch.Tensor) -> Iterator[torch.Tensor | None]:
+        """Within: the batch as this rank computes on it (its share of the sequence under cp), and its
+        document ids when attention is document-masked (else None)."""
+        ids = document_ids(inputs, self.document_eos) if self.document_eos is not None else None
+        batch = [inputs, labels] if ids is None else [inputs, labels, ids]
+        with sequence_sharded(self.mesh, batch, self.parts, self.cfg.parallel.cp_rotate_method,
+                              documents=ids is not None):
+            yield ids
 
     @torch.no_grad()
     def expert_load_step(self) -> dict[str, float]:

@@ -91,6 +91,11 @@ LAYOUTS = {  # name: (ranks, layout, options)
     "tp2-sp-reset-positions": (2, ["--parallel.tp", "2", "--parallel.sp", "True"], RESET),
     "pp2-interleaved": (2, ["--parallel.pp", "2", "--parallel.vpp", "2"], PP_MODEL + RESET),
     "moe-ep2": (2, ["--parallel.ep", "2"], MOE_ARGS),
+    # cp: keys and values all-gathered, the mask built for the load-balanced chunks
+    "cp2": (2, ["--parallel.cp", "2"], ()),
+    "cp2-reset-positions": (2, ["--parallel.cp", "2"], RESET),
+    "cp2-tp2-sp": (4, ["--parallel.cp", "2", "--parallel.tp", "2", "--parallel.sp", "True"], RESET),
+    "pp2-cp2": (4, ["--parallel.pp", "2", "--parallel.cp", "2"], PP_MODEL + RESET),
 }
 JOBS = {name: Job(f"documents/{name}", nproc, "train", (*TINY, *extra, *layout), prepare=short_documents)
         for name, (nproc, layout, extra) in LAYOUTS.items()}
@@ -106,13 +111,3 @@ def test_document_masked_layouts_equal_single_rank(batches, name, tmp_path):
     assert_matches_reference(got, ref)
     unmasked = reference(extra + data + ("--data.document-mask", "off"))
     assert abs(unmasked["losses"][0] - ref["losses"][0]) > 1e-4  # masking changed what was computed
-
-
-def test_document_masking_on_under_cp_is_refused():
-    from meshtrain.errors import ConfigError
-    from meshtrain.parallel.layout import plan_layout
-    from tests.conftest import tiny_config
-
-    with pytest.raises(ConfigError, match=r"data.document_mask=on with parallel.cp=2 is not supported yet"):
-        plan_layout(tiny_config(parallel={"cp": 2}, data={"document_mask": "on"}), 2)
-    assert plan_layout(tiny_config(parallel={"cp": 2}), 2).cp == 2  # auto: off under cp, said in the log

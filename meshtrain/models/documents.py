@@ -7,6 +7,10 @@ and, with ``data.reset_position_ids``, RoPE positions that restart at each docum
 sample computes what its documents would compute one by one. Megatron's names: reset_attention_mask,
 reset_position_ids. The mask goes to SDPA as a boolean ``attn_mask`` (the math kernel on CPU, the
 memory-efficient one on CUDA).
+
+The model asks ``attention_mask`` and ``token_positions`` (module attributes, looked up at each
+call) for what a batch's ids mean; context parallelism (parallel/context.py) replaces both while a
+batch is sharded over the sequence, where a rank's queries meet every rank's keys.
 """
 
 from __future__ import annotations
@@ -36,3 +40,14 @@ def positions_in_document(ids: torch.Tensor) -> torch.Tensor:
     new[:, 1:] = ids[:, 1:] != ids[:, :-1]
     start = torch.where(new, index, torch.zeros_like(index)).cummax(1).values
     return index - start
+
+
+def attention_mask(ids: torch.Tensor) -> torch.Tensor | None:
+    """What attention uses for a batch's document ids: None where no sample holds two documents
+    (plain causal attention, flash kernels), else the block-causal mask."""
+    return block_causal_mask(ids) if bool(ids[:, -1].any()) else None
+
+
+def token_positions(ids: torch.Tensor, reset: bool, mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Per-token RoPE positions, or None for 0, 1, ..., seq-1."""
+    return positions_in_document(ids) if reset and mask is not None else None

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from meshtrain.config import ModelConfig, RopeScalingConfig
 from meshtrain.models.checkpointing import run_layer
-from meshtrain.models.documents import block_causal_mask, positions_in_document
+from meshtrain.models import documents
 from meshtrain.models.moe import MoE
 
 
@@ -167,11 +167,10 @@ class Transformer(nn.Module):
         without the output head returns them. ``document_ids`` ([batch, seq], models/documents.py):
         attention stays inside each document of a packed sample."""
         cos, sin, mask = self.rope_cos, self.rope_sin, None
-        # A batch of single-document samples needs no mask: plain causal attention (flash kernels).
-        if document_ids is not None and bool(document_ids[:, -1].any()):
-            mask = block_causal_mask(document_ids)
-            if self.reset_position_ids:
-                positions = positions_in_document(document_ids)
+        if document_ids is not None:
+            mask = documents.attention_mask(document_ids)
+            positions = documents.token_positions(document_ids, self.reset_position_ids, mask)
+            if positions is not None:
                 cos, sin = cos[positions], sin[positions]
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
         for index, layer in self.layers.items():

@@ -56,19 +56,34 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     return _RingAttention.apply(query, key, value, group, scale)
 
 
-@contextlib.contextmanager
-def cpu_context_parallel(mesh: DeviceMesh, buffers: list[torch.Tensor], seq_dims: list[int]) -> Iterator[None]:
-    """``context_parallel``'s contract on CPU: shard ``buffers`` in place along ``seq_dims`` (head-tail
-    load balanced), route causal SDPA calls to the ring, restore both on exit."""
+def load_balanced_shards(mesh: DeviceMesh, buffers: list[torch.Tensor], seq_dims: list[int]) -> list[torch.Tensor]:
+    """This cp rank's head-tail load-balanced share of each buffer along its sequence dim."""
     seq_len = buffers[0].shape[seq_dims[0]]
     balancer = _create_default_load_balancer(seq_len, mesh.size(), buffers[0].device)
     if balancer is None:  # plan_layout's seq_len % (2 * cp) rule makes this unreachable from a config
         raise ValueError(f"sequence length {seq_len} is not divisible by 2*cp = {2 * mesh.size()}")
+    return [shard.clone() for shard in cp_attention._context_parallel_buffers(mesh, buffers, seq_dims, balancer)]
+
+
+@contextlib.contextmanager
+def sharded_in_place(mesh: DeviceMesh, buffers: list[torch.Tensor], seq_dims: list[int]) -> Iterator[None]:
+    """Within: each buffer holds only this rank's load-balanced share; restored on exit."""
     originals = [b.clone() for b in buffers]
-    for buffer, shard in zip(buffers, cp_attention._context_parallel_buffers(mesh, buffers, seq_dims, balancer)):
-        shard = shard.clone()
+    for buffer, shard in zip(buffers, load_balanced_shards(mesh, buffers, seq_dims)):
         buffer.resize_(shard.shape)
         buffer.copy_(shard)
+    try:
+        yield
+    finally:
+        for buffer, original in zip(buffers, originals):
+            buffer.resize_(original.shape)
+            buffer.copy_(original)
+
+
+@contextlib.contextmanager
+def cpu_context_parallel(mesh: DeviceMesh, buffers: list[torch.Tensor], seq_dims: list[int]) -> Iterator[None]:
+    """``context_parallel``'s contract on CPU: shard ``buffers`` in place along ``seq_dims`` (head-tail
+    load balanced), route causal SDPA calls to the ring, restore both on exit."""
     group = mesh.get_group()
     stock_sdpa = F.scaled_dot_product_attention
     saved_load_balance = cp_attention._cp_options.enable_load_balance
@@ -81,10 +96,8 @@ def cpu_context_parallel(mesh: DeviceMesh, buffers: list[torch.Tensor], seq_dims
 
     F.scaled_dot_product_attention = sdpa
     try:
-        yield
+        with sharded_in_place(mesh, buffers, seq_dims):
+            yield
     finally:
         F.scaled_dot_product_attention = stock_sdpa
         cp_attention._cp_options.enable_load_balance = saved_load_balance
-        for buffer, original in zip(buffers, originals):
-            buffer.resize_(original.shape)
-            buffer.copy_(original)

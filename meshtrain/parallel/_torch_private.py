@@ -7,7 +7,8 @@ options (the only way to give a DeviceMesh's groups a timeout) only as ``Process
 and the flight recorder's record of collectives (gloo and NCCL alike, filled when
 TORCH_FR_BUFFER_SIZE is set before a group is made) only as ``_dump_fr_trace_json``, and
 CUDA memory snapshots only as ``torch.cuda.memory._record_memory_history`` / ``_dump_snapshot``,
-and the number of graphs torch.compile made only as dynamo's ``counters``
+and the number of graphs torch.compile made only as dynamo's ``counters``, and an all-gather
+whose backward reduce-scatters on any backend only as ``_functional_collectives.all_gather_single``
 (checked against torch 2.13.0). Everything else goes through this file, so a torch upgrade that makes them public (or
 changes them) is a one-file change.
 """
@@ -67,3 +68,14 @@ def compiled_graph_count() -> int:
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"]
+
+
+def gather_along(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's ``tensor`` concatenated along ``dim`` in rank order, differentiable: the backward
+    reduce-scatters the gradient (gloo too). ``torch.distributed.nn.functional.all_gather`` (an
+    all-to-all backward) trained the document-masked cp2 run 3e-3 away from one rank by step 2; an
+    isolated gather's gradient was right, so the cause is not known."""
+    from torch.distributed._functional_collectives import all_gather_single
+
+    moved = tensor.movedim(dim, 0).contiguous()
+    return all_gather_single(moved, 0, group).movedim(0, dim)

@@ -12,7 +12,9 @@ reduce-scatter over dp_shard x cp) gives the mean over the whole sequence.
 
 On CUDA this is stock ``torch.distributed.tensor.experimental.context_parallel``. torch has ring
 kernels only for the CUDA SDPA ops, so on other devices ``_torch_cp`` runs torch's same templated
-ring on the CPU flash kernel.
+ring on the CPU flash kernel. With document masking (models/documents.py) the ring, which takes no
+mask, gives way on every device to ``document_masked``: keys and values all-gathered, the mask
+built for the load-balanced chunks.
 """
 
 from __future__ import annotations
@@ -21,10 +23,14 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.experimental import context_parallel
 from torch.distributed.tensor.experimental._attention import set_rotate_method
 
-from meshtrain.parallel._torch_cp import cpu_context_parallel
+from meshtrain.models import documents
+from meshtrain.parallel._torch_private import gather_along
+from meshtrain.parallel._torch_cp import cpu_context_parallel, load_balanced_shards, sharded_in_place
 from meshtrain.parallel.mesh import ParallelMesh
 
 STOCK_CP_DEVICES = ("cuda",)
@@ -36,13 +42,19 @@ def rope_buffers(parts) -> list[torch.Tensor]:
 
 
 @contextlib.contextmanager
-def sequence_sharded(mesh: ParallelMesh, batch: list[torch.Tensor], parts, rotate_method: str) -> Iterator[None]:
+def sequence_sharded(mesh: ParallelMesh, batch: list[torch.Tensor], parts, rotate_method: str,
+                     documents: bool = False) -> Iterator[None]:
     """Within: ``batch`` tensors ([batch, seq] each) and the parts' RoPE tables hold this cp rank's
     load-balanced share of the sequence, and causal SDPA is ring attention. Forward and backward
-    must both run inside."""
+    must both run inside. ``documents``: the batch carries document ids and attention is
+    document-masked (``document_masked``)."""
     cp = mesh["cp"]
     if cp.size() == 1:
         yield
+        return
+    if documents:
+        with document_masked(cp, batch):
+            yield
         return
     set_rotate_method(rotate_method)
     buffers = [*batch, *rope_buffers(parts)]
@@ -53,3 +65,46 @@ def sequence_sharded(mesh: ParallelMesh, batch: list[torch.Tensor], parts, rotat
         shard = cpu_context_parallel(cp, buffers, seq_dims)
     with shard:
         yield
+
+
+@contextlib.contextmanager
+def document_masked(cp: DeviceMesh, batch: list[torch.Tensor]) -> Iterator[None]:
+    """Context parallelism with document masking, on any device. The ring takes no mask, so each
+    rank all-gathers the keys and values of the whole sequence instead (as Llama 3's CP does; the
+    backward reduce-scatters their gradients) and attends with its load-balanced queries under a
+    mask built from every rank's document ids and global positions. The RoPE tables stay whole:
+    each token indexes them by its global position (or its position in its document)."""
+    group = cp.get_group()
+    seq_len = batch[0].shape[1]
+    (mine,) = load_balanced_shards(cp, [torch.arange(seq_len, device=batch[0].device)], [0])
+    every = gather_along(mine, 0, group)  # global positions, in gathered order
+    stock_sdpa, stock_mask, stock_positions = F.scaled_dot_product_attention, documents.attention_mask, \
+        documents.token_positions
+
+    def gathered(ids: torch.Tensor) -> torch.Tensor:
+        return gather_along(ids, 1, group)
+
+    def attention_mask(ids: torch.Tensor) -> torch.Tensor:
+        every_ids = gathered(ids)
+        return ((ids[:, :, None] == every_ids[:, None, :]) & (every[None, None, :] <= mine[None, :, None]))[:, None]
+
+    def token_positions(ids: torch.Tensor, reset: bool, mask: torch.Tensor | None) -> torch.Tensor:
+        if not reset:
+            return mine
+        whole = torch.empty(ids.shape[0], seq_len, dtype=ids.dtype, device=ids.device)
+        whole[:, every] = gathered(ids)
+        return documents.positions_in_document(whole)[:, mine]
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        keys, values = gather_along(key, 2, group), gather_along(value, 2, group)
+        return stock_sdpa(query, keys, values, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale,
+                          enable_gqa=enable_gqa)
+
+    F.scaled_dot_product_attention, documents.attention_mask, documents.token_positions = \
+        sdpa, attention_mask, token_positions
+    try:
+        with sharded_in_place(cp, batch, [1] * len(batch)):
+            yield
+    finally:
+        F.scaled_dot_product_attention, documents.attention_mask, documents.token_positions = \
+            stock_sdpa, stock_mask, stock_positions

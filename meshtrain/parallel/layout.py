@@ -190,9 +190,6 @@ def plan_layout(cfg: JobConfig, world_size: int) -> Layout:
     layout = Layout(world_size, p.pp, p.vpp, p.dp_replicate, dp_shard, p.cp, p.tp, p.sp, p.ep, p.etp, grad_accum,
                     schedule, tuple(stage_layers), p.timeout_s)
     messages = layout_warnings(layout, p.gpus_per_node)
-    if cfg.data.document_mask == "on" and p.cp > 1:
-        _fail(f"data.document_mask=on with parallel.cp={p.cp} is not supported yet: the ring attention of context "
-              "parallelism takes no document mask", "set data.document_mask=auto (off under cp) or off, or cp=1")
     if p.pp > 1 and p.fsdp_accumulate != "reduce_each":
         messages.append(f"parallel.fsdp_accumulate={p.fsdp_accumulate} has no effect with pp > 1: the pipeline "
                         "schedule already reduces FSDP gradients once per step")
