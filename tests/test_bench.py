@@ -100,3 +100,17 @@ def test_gpu_check_runs_its_plumbing_at_toy_sizes_on_cpu(tmp_path):
         assert jobs["transformers eager"]["tokens_per_s"] > 0 and jobs["meshtrain eager"]["tokens_per_s"] > 0
         assert "needs CUDA float8 tensor cores" in jobs["meshtrain compile+float8"]["refused"]
     assert "| llama-1.2b (tiny) | meshtrain eager |" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_data_scale_bench_measures_memory_loader_and_prepare(tmp_path):
+    cmd = [sys.executable, str(ROOT / "bench" / "data_scale.py"), "--sizes-gb", "0.002", "0.004", "--ranks", "2",
+           "--steps", "2", "--prepare-mb", "0.5", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "data_scale.json").read_text())
+    for size in ("0.002", "0.004"):
+        assert [r["rss"]["RssAnon"] > 0 for r in result[size]["ranks"]] == [True, True]
+        assert all(0 < r["load_s"] < r["step_s"] for r in result[size]["ranks"])
+    assert result["0.004"]["tokens"] == 2 * result["0.002"]["tokens"]
+    assert result["prepare"]["tokens"] > 0 and result["prepare"]["encode_batch_tokens_per_s"] > 0
+    assert "| 0.004 GB |" in (tmp_path / "data_scale.md").read_text()

@@ -276,3 +276,16 @@ def test_a_prefix_json_that_is_not_prepares_is_not_read_as_its_metadata(tmp_path
     (tmp_path / "d.json").write_text("[1, 2, 3]\n")  # someone else's file beside a Megatron pair
     tokens, _ = training_tokens(DataConfig(path=str(tmp_path / "d")), 384)
     assert tokens.tolist() == [1, 2, 3]
+
+
+def test_a_saved_hugging_face_dataset_prepares_like_its_text(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    texts = [f"document {i}: " + "words " * (i % 7) for i in range(50)]
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"content": texts, "id": list(range(50))})}) \
+        .save_to_disk(str(tmp_path / "hf"))
+    meta = prepare(PrepareConfig(input=str(tmp_path / "hf"), output=str(tmp_path / "data"), text_field="content",
+                                 workers=0))
+    want = [t for text in texts for t in [*text.encode(), ByteTokenizer.eos_id]]
+    assert meta["documents"] == 50 and IndexedDataset.open(tmp_path / "data").tokens.tolist() == want
+    with pytest.raises(DataError, match=r"no column 'text' \(columns: \['content', 'id'\]\)"):
+        prepare(PrepareConfig(input=str(tmp_path / "hf"), output=str(tmp_path / "other"), workers=0))

@@ -1,6 +1,7 @@
 """``meshtrain prepare``: text files to a pre-tokenized, memory-mappable indexed dataset.
 
-Reads .txt / .jsonl / .parquet files (a file or a directory of them) document by document,
+Reads .txt / .jsonl / .parquet files (a file or a directory of them), or a Hugging Face dataset
+saved to disk, document by document,
 tokenizes chunks of documents in worker processes, and writes the tokens in order to
 ``OUTPUT.bin`` / ``OUTPUT.idx`` (Megatron's indexed format, ``data/indexed.py``) as they come back.
 Memory is bounded by the chunks in flight (two per worker), never by the corpus. ``OUTPUT.json``
@@ -27,7 +28,7 @@ import torch
 
 from meshtrain.config import DataConfig
 from meshtrain.data.indexed import IndexedDataset, IndexedWriter, prefix_of, token_dtype
-from meshtrain.data.text import data_files, read_documents
+from meshtrain.data.text import documents, source_files
 from meshtrain.data.tokenizer import build_tokenizer
 from meshtrain.errors import ConfigError, DataError
 
@@ -39,7 +40,8 @@ class PrepareConfig:
     """meshtrain prepare: tokenize text into a memory-mapped indexed dataset (Megatron .bin/.idx)."""
 
     input: str
-    """A .txt, .jsonl or .parquet file, or a directory of them (searched recursively)."""
+    """A .txt, .jsonl or .parquet file, a directory of them (searched recursively), or a Hugging Face
+    dataset saved with save_to_disk (its 'train' split; the datasets extra)."""
     output: str
     """The dataset's PREFIX: writes PREFIX.bin, PREFIX.idx and PREFIX.json. Train with data.path=PREFIX."""
     tokenizer: str = "byte"
@@ -91,21 +93,20 @@ def _encode_chunk(documents: list[str], append_eos: bool) -> tuple[torch.Tensor,
     return torch.tensor(flat, dtype=torch.int32), [len(d) + len(eos) for d in ids]
 
 
-def _chunks(files: list[pathlib.Path], text_field: str, size: int) -> Iterator[list[str]]:
+def _chunks(source: str, text_field: str, size: int) -> Iterator[list[str]]:
     chunk: list[str] = []
-    for file in files:
-        for document in read_documents(file, text_field):
-            chunk.append(document)
-            if len(chunk) == size:
-                yield chunk
-                chunk = []
+    for document in documents(source, text_field):
+        chunk.append(document)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
     if chunk:
         yield chunk
 
 
-def _encoded(cfg: PrepareConfig, files: list[pathlib.Path], workers: int) -> Iterator[tuple[torch.Tensor, list[int]]]:
+def _encoded(cfg: PrepareConfig, workers: int) -> Iterator[tuple[torch.Tensor, list[int]]]:
     """Every chunk's token tensors, in input order. At most 2 x workers chunks are in flight."""
-    chunks = _chunks(files, cfg.text_field, cfg.chunk_documents)
+    chunks = _chunks(cfg.input, cfg.text_field, cfg.chunk_documents)
     if workers == 0:
         _init_worker(cfg.tokenizer)
         yield from (_encode_chunk(c, cfg.append_eos) for c in chunks)
@@ -145,7 +146,7 @@ def prepare(cfg: PrepareConfig) -> dict:
         raise ConfigError(f"--workers {cfg.workers}: must be >= 0 (0 tokenizes in the writer's process)")
     if cfg.chunk_documents < 1:
         raise ConfigError(f"--chunk-documents {cfg.chunk_documents}: must be >= 1")
-    files = data_files(cfg.input)
+    files = source_files(cfg.input)
     prefix = prefix_of(cfg.output)
     meta_path = pathlib.Path(prefix + ".json")
     digest = content_hash(cfg, files)
@@ -170,7 +171,7 @@ def prepare(cfg: PrepareConfig) -> dict:
     progress = Progress()
     documents = tokens = 0
     try:
-        for ids, sizes in _encoded(cfg, files, workers):
+        for ids, sizes in _encoded(cfg, workers):
             writer.add_documents(ids, sizes)
             documents, tokens = documents + len(sizes), tokens + len(ids)
             progress.update(documents, tokens)

@@ -1,4 +1,5 @@
-"""Raw text sources: .txt files, jsonl records and parquet rows, read into one token stream.
+"""Raw text sources: .txt files, jsonl records, parquet rows and Hugging Face datasets saved to disk
+(``save_to_disk``; the optional datasets extra), read into one token stream.
 
 Documents are tokenized and joined with EOS, so packing (``data.loader``) never pads.
 """
@@ -16,6 +17,48 @@ from meshtrain.data.tokenizer import Tokenizer
 from meshtrain.errors import DataError
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
+
+
+def is_hf_dataset(path: str | pathlib.Path) -> bool:
+    """A directory written by ``datasets``' ``save_to_disk`` (a Dataset or a DatasetDict)."""
+    root = pathlib.Path(path)
+    return (root / "state.json").is_file() and (root / "dataset_info.json").is_file() or \
+        (root / "dataset_dict.json").is_file()
+
+
+def read_hf_dataset(path: str | pathlib.Path, text_field: str) -> Iterator[str]:
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"{path}: reading a Hugging Face dataset needs the datasets package; "
+                        "pip install 'meshtrain[datasets]'") from None
+    ds = datasets.load_from_disk(str(path))
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise DataError(f"{path}: a DatasetDict without a 'train' split (it has {sorted(ds)}); save the split "
+                            "to read with Dataset.save_to_disk")
+        ds = ds["train"]
+    if text_field not in ds.column_names:
+        raise DataError(f"{path}: no column {text_field!r} (columns: {ds.column_names}); set the text field to the "
+                        "column holding the text")
+    for batch in ds.iter(batch_size=1024):
+        yield from (text for text in batch[text_field] if text)
+
+
+def documents(path: str, text_field: str) -> Iterator[str]:
+    """Every document under ``path`` (a file, a directory of files, or a saved HF dataset), in order."""
+    if is_hf_dataset(path):
+        yield from read_hf_dataset(path, text_field)
+        return
+    for file in data_files(path):
+        yield from read_documents(file, text_field)
+
+
+def source_files(path: str) -> list[pathlib.Path]:
+    """The files whose bytes make up ``path``'s documents (what a content hash covers)."""
+    if is_hf_dataset(path):
+        return sorted(p for p in pathlib.Path(path).rglob("*") if p.is_file())
+    return data_files(path)
 
 
 def data_files(path: str) -> list[pathlib.Path]:
@@ -67,9 +110,8 @@ def read_documents(file: pathlib.Path, text_field: str) -> Iterator[str]:
 def tokenize_corpus(cfg: DataConfig, tokenizer: Tokenizer) -> torch.Tensor:
     """All documents as one token stream, each followed by EOS where the tokenizer has one."""
     ids: list[int] = []
-    for file in data_files(cfg.path):
-        for doc in read_documents(file, cfg.text_field):
-            ids.extend(tokenizer.encode(doc))
-            if tokenizer.eos_id is not None:
-                ids.append(tokenizer.eos_id)
+    for doc in documents(cfg.path, cfg.text_field):
+        ids.extend(tokenizer.encode(doc))
+        if tokenizer.eos_id is not None:
+            ids.append(tokenizer.eos_id)
     return torch.tensor(ids, dtype=torch.int64)
