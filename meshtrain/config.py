@@ -193,6 +193,19 @@ class DataConfig:
     """Field holding the text in jsonl/parquet records."""
     tokenizer: str = "byte"
     """"byte" (UTF-8 bytes, no files needed) or the path of a Hugging Face tokenizer.json."""
+    format: Literal["pretrain", "chat", "prompt_response"] = "pretrain"
+    """pretrain: documents packed back to back, every token a target. chat: jsonl/parquet records
+    with `messages` ([{role, content}, ...]) rendered by the tokenizer's chat template;
+    prompt_response: records with `prompt` and `response`. Both SFT formats train on the assistant
+    (response) tokens only, each conversation packed whole and attended to on its own."""
+    chat_template: str | None = None
+    """The chat template: a tokenizer_config.json, or a .jinja file. Default: the tokenizer_config.json
+    beside data.tokenizer."""
+    messages_field: str = "messages"
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    overlong: Literal["truncate", "drop"] = "truncate"
+    """SFT conversations longer than train.seq_len + 1 tokens: cut (truncate) or skip (drop); counted in the log."""
     document_mask: Literal["auto", "on", "off"] = "auto"
     """Attention inside each packed document only (block-causal, documents found by their EOS). auto:
     on where an EOS id is known, said in the log (on: an error where none is)."""

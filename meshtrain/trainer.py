@@ -51,7 +51,22 @@ from meshtrain.telemetry.profiling import MemorySnapshots, PhaseClock, format_ph
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The mean over the target tokens (labels other than -100)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+class StepLoss:
+    """A micro-batch's share of the step's loss: its summed token cross-entropy over the number of
+    target tokens in the whole step (every micro-batch, every dp rank), so micro-batches with more
+    targets weigh more (what SFT's masked labels need; with every token a target it is the plain
+    mean). ``scale`` also undoes the averaging that follows: FSDP's over dp x cp, the pipeline
+    schedule's over micro-batches."""
+
+    def __init__(self):
+        self.scale = 1.0
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") * self.scale
 
 
 class Trainer:
@@ -60,6 +75,7 @@ class Trainer:
         self.run_dir = pathlib.Path(cfg.train.run_dir)
         self.step = 0
         self.stream = self._build_data()
+        self.loss_fn = StepLoss()
         torch.manual_seed(cfg.train.seed)
         self.parts, self.pipeline = self._build_model_parts()
         self.params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
@@ -133,7 +149,7 @@ class Trainer:
         stage_ids = stage_ids_for_rank(mesh["pp"].get_local_rank(), mesh.size("pp"), cfg.parallel.vpp, schedule)
         parts = [build_model(cfg, mesh, device, stage=s, initialize=from_scratch) for s in stage_ids]
         pipeline = Pipeline(parts, stage_ids, mesh.size("pp") * cfg.parallel.vpp, mesh["pp"], device, schedule,
-                            self.stream.accum, cross_entropy)
+                            self.stream.accum, self.loss_fn)
         return parts, pipeline
 
     def _restore_checkpoint(self) -> tuple[Checkpointer, pathlib.Path | None]:
@@ -166,6 +182,7 @@ class Trainer:
         t, device = self.cfg.train, self.runtime.device
         start = time.perf_counter()
         batches = self.stream.next_step()
+        self._scale_step_loss(batches)
         self.clock.mark("data")
         with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
             if self.pipeline is not None:
@@ -179,7 +196,7 @@ class Trainer:
                     before_micro_batch(model, self.cfg.parallel.fsdp_accumulate, last=i == len(batches) - 1)
                     inputs, labels = inputs.to(device), labels.to(device)
                     with self.sharded(inputs, labels) as document_ids:
-                        loss = cross_entropy(model(inputs, document_ids), labels) / len(batches)
+                        loss = self.loss_fn(model(inputs, document_ids), labels)
                         loss.backward()
                     step_loss += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
         dp_cp = self.mesh["dp_cp"]
@@ -223,6 +240,21 @@ class Trainer:
         if self.peak_tflops:
             metrics["mfu"] = tflops / self.peak_tflops
         return metrics | expert_metrics
+
+    def _scale_step_loss(self, batches) -> None:
+        targets = sum(int((labels != -100).sum()) for _, labels, *_ in batches)
+        dp = self.mesh["dp"]
+        if self.cfg.data.format == "pretrain":  # every token a target, the same number on every dp rank
+            targets *= dp.size()
+        elif dp.size() > 1:  # cp ranks hold the same sequences: count them once
+            total = torch.tensor(targets, dtype=torch.int64, device=self.runtime.device)
+            dist.all_reduce(total, group=dp.get_group())
+            targets = int(total)
+        if targets == 0:
+            raise TrainingError(f"step {self.step + 1} has no target tokens (every label is -100): with SFT data, "
+                                "the responses were all cut off. Fix: raise train.seq_len or use data.overlong=drop")
+        per_microbatch = self.stream.accum if self.pipeline is not None else 1
+        self.loss_fn.scale = self.mesh.size("dp_cp") * per_microbatch / targets
 
     @contextlib.contextmanager
     def sharded(self, inputs: torch.Tensor, labels: torch.Tensor) -> Iterator[torch.Tensor | None]:

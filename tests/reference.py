@@ -48,8 +48,9 @@ def reference_run(cfg: JobConfig) -> dict:
     for step in range(1, t.steps + 1):
         batches = stream.next_step()
         total = 0.0
+        targets = sum(int((y != -100).sum()) for _, y in batches)  # the step's loss: the mean over its targets
         for x, y in batches:
-            loss = F.cross_entropy(model(x, documents(x)).flatten(0, 1), y.flatten()) / len(batches)
+            loss = F.cross_entropy(model(x, documents(x)).flatten(0, 1), y.flatten(), reduction="sum") / targets
             loss.backward()
             total += loss.item()
         grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip).item())
