@@ -72,8 +72,8 @@ class Evaluator:
     def _batch_loss(self, batches, device) -> tuple[torch.Tensor, torch.Tensor]:
         trainer = self.trainer
         if trainer.pipeline is not None:
-            inputs, labels = (torch.cat(x).to(device) for x in zip(*batches))
-            with trainer.sharded(inputs, labels) as document_ids:
+            inputs, labels, *documents = (torch.cat(x).to(device) for x in zip(*batches))
+            with trainer.sharded(inputs, labels, *documents) as document_ids:
                 means = trainer.pipeline.eval_losses(inputs, labels, document_ids)
                 valid = [(mb != IGNORE).sum() for mb in labels.tensor_split(trainer.pipeline.n_microbatches)]
             total = sum((m.double() * v for m, v in zip(means, valid)), torch.zeros((), dtype=torch.float64,
@@ -82,9 +82,9 @@ class Evaluator:
         (model,) = trainer.parts
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         count = torch.zeros((), dtype=torch.float64, device=device)
-        for inputs, labels in batches:
+        for inputs, labels, *documents in batches:
             inputs, labels = inputs.to(device), labels.to(device)
-            with trainer.sharded(inputs, labels) as document_ids:
+            with trainer.sharded(inputs, labels, *documents) as document_ids:
                 mean = self.loss_fn(model(inputs, document_ids), labels)
                 valid = (labels != IGNORE).sum()
             mean = mean.full_tensor() if isinstance(mean, DTensor) else mean

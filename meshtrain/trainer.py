@@ -130,6 +130,8 @@ class Trainer:
         d = self.cfg.data
         if d.document_mask == "off":
             return None, "document masking off"
+        if d.format != "pretrain":
+            return None, "document masking on: each conversation attends to itself"
         eos = end_of_document_id(d)
         if eos is None:
             if d.document_mask == "on":
@@ -186,16 +188,16 @@ class Trainer:
         self.clock.mark("data")
         with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
             if self.pipeline is not None:
-                inputs, labels = (torch.cat(x).to(device) for x in zip(*batches))
-                with self.sharded(inputs, labels) as document_ids:
+                inputs, labels, *documents = (torch.cat(x).to(device) for x in zip(*batches))
+                with self.sharded(inputs, labels, *documents) as document_ids:
                     step_loss = self.pipeline.step(inputs, labels, document_ids)
             else:
                 step_loss = torch.zeros((), device=device)
                 (model,) = self.parts
-                for i, (inputs, labels) in enumerate(batches):
+                for i, (inputs, labels, *documents) in enumerate(batches):
                     before_micro_batch(model, self.cfg.parallel.fsdp_accumulate, last=i == len(batches) - 1)
                     inputs, labels = inputs.to(device), labels.to(device)
-                    with self.sharded(inputs, labels) as document_ids:
+                    with self.sharded(inputs, labels, *documents) as document_ids:
                         loss = self.loss_fn(model(inputs, document_ids), labels)
                         loss.backward()
                     step_loss += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
@@ -257,10 +259,15 @@ class Trainer:
         self.loss_fn.scale = self.mesh.size("dp_cp") * per_microbatch / targets
 
     @contextlib.contextmanager
-    def sharded(self, inputs: torch.Tensor, labels: torch.Tensor) -> Iterator[torch.Tensor | None]:
+    def sharded(self, inputs: torch.Tensor, labels: torch.Tensor,
+                documents: torch.Tensor | None = None) -> Iterator[torch.Tensor | None]:
         """Within: the batch as this rank computes on it (its share of the sequence under cp), and its
-        document ids when attention is document-masked (else None)."""
-        ids = document_ids(inputs, self.document_eos) if self.document_eos is not None else None
+        document ids when attention is document-masked (else None): ``documents`` as the data gives
+        them (SFT's conversations), or found from EOS."""
+        if documents is not None:
+            ids = documents.to(inputs.device) if self.cfg.data.document_mask != "off" else None
+        else:
+            ids = document_ids(inputs, self.document_eos) if self.document_eos is not None else None
         batch = [inputs, labels] if ids is None else [inputs, labels, ids]
         with sequence_sharded(self.mesh, batch, self.parts, self.cfg.parallel.cp_rotate_method,
                               documents=ids is not None):

@@ -25,7 +25,7 @@ def reference_run(cfg: JobConfig) -> dict:
     torch.manual_seed(t.seed)
     model = Transformer(cfg.model)
     model.reset_position_ids = cfg.data.reset_position_ids
-    eos = end_of_document_id(cfg.data) if cfg.data.document_mask != "off" else None
+    eos = end_of_document_id(cfg.data) if cfg.data.document_mask != "off" and cfg.data.format == "pretrain" else None
 
     def documents(x):
         return document_ids(x, eos) if eos is not None else None
@@ -48,9 +48,10 @@ def reference_run(cfg: JobConfig) -> dict:
     for step in range(1, t.steps + 1):
         batches = stream.next_step()
         total = 0.0
-        targets = sum(int((y != -100).sum()) for _, y in batches)  # the step's loss: the mean over its targets
-        for x, y in batches:
-            loss = F.cross_entropy(model(x, documents(x)).flatten(0, 1), y.flatten(), reduction="sum") / targets
+        targets = sum(int((y != -100).sum()) for _, y, *_ in batches)  # the step's loss: the mean over its targets
+        for x, y, *ids in batches:
+            ids = (ids[0] if ids else documents(x)) if cfg.data.document_mask != "off" else None
+            loss = F.cross_entropy(model(x, ids).flatten(0, 1), y.flatten(), reduction="sum") / targets
             loss.backward()
             total += loss.item()
         grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip).item())
@@ -73,8 +74,9 @@ def evaluate(model, dataset, samples: int, documents) -> float:
     model.eval()
     total = count = 0.0
     for i in range(samples):
-        x, y = dataset[i]
-        total += F.cross_entropy(model(x[None], documents(x[None])).flatten(0, 1), y, reduction="sum").item()
-        count += y.numel()
+        x, y, *ids = dataset[i]
+        ids = ids[0][None] if ids else documents(x[None])
+        total += F.cross_entropy(model(x[None], ids).flatten(0, 1), y, reduction="sum").item()
+        count += int((y != -100).sum())
     model.train()
     return total / count

@@ -17,6 +17,7 @@ from meshtrain.config import DataConfig
 from meshtrain.data.blend import BlendedDataset, parse_blend
 from meshtrain.data.indexed import IndexedDataset, is_indexed, prepared_metadata
 from meshtrain.data.loader import PackedDataset
+from meshtrain.data.sft import sft_dataset
 from meshtrain.data.text import tokenize_corpus
 from meshtrain.data.tokenizer import build_tokenizer
 from meshtrain.errors import ConfigError, DataError
@@ -33,18 +34,28 @@ def training_tokens(cfg: DataConfig, model_vocab: int, fix: str | None = None) -
                             f"prepared with ({vocab}, {pathlib.Path(dataset.prefix).name}.json). Fix: "
                             f"{fix + ' (and prepare the data with it)' if fix else f'model.vocab_size >= {vocab}'}")
         return dataset.tokens, f"{dataset.prefix}.bin"
+    return tokenize_corpus(cfg, fitting_tokenizer(cfg, model_vocab, fix)), cfg.path
+
+
+def fitting_tokenizer(cfg: DataConfig, model_vocab: int, fix: str | None):
+    """data.tokenizer, refused where its vocabulary is larger than the model's."""
     tokenizer = build_tokenizer(cfg)
     if tokenizer.vocab_size > model_vocab:
         raise ConfigError(f"model.vocab_size={model_vocab} is smaller than the vocabulary of "
                           f"data.tokenizer={cfg.tokenizer} ({tokenizer.vocab_size}). "
                           f"Fix: {fix or f'model.vocab_size >= {tokenizer.vocab_size}'}")
-    return tokenize_corpus(cfg, tokenizer), cfg.path
+    return tokenizer
 
 
 def training_dataset(cfg: DataConfig, seq_len: int, seed: int, model_vocab: int,
                      fix: str | None = None) -> tuple[Dataset, str]:
     """The packed samples of data.path, or of data.blend's datasets in its proportions; and a line
     describing them for the log."""
+    if cfg.format != "pretrain":
+        if cfg.blend:
+            raise ConfigError(f"data.blend with data.format={cfg.format} is not supported: blend pretraining data, "
+                              "or give SFT data as one data.path")
+        return sft_dataset(cfg, cfg.path, fitting_tokenizer(cfg, model_vocab, fix), seq_len)
     if not cfg.blend:
         tokens, source = training_tokens(cfg, model_vocab, fix)
         dataset = PackedDataset(tokens, seq_len, vocab_size=model_vocab, source=source)

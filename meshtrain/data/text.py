@@ -45,6 +45,39 @@ def read_hf_dataset(path: str | pathlib.Path, text_field: str) -> Iterator[str]:
         yield from (text for text in batch[text_field] if text)
 
 
+def records(path: str) -> Iterator[tuple[str, dict]]:
+    """Every record (jsonl line, parquet row, saved HF dataset row) under ``path`` with where it is
+    (``file:line``), for structured data such as SFT conversations."""
+    if is_hf_dataset(path):
+        try:
+            import datasets
+        except ImportError:
+            raise DataError(f"{path}: reading a Hugging Face dataset needs the datasets package; "
+                            "pip install 'meshtrain[datasets]'") from None
+        ds = datasets.load_from_disk(str(path))
+        ds = ds["train"] if isinstance(ds, datasets.DatasetDict) else ds
+        for i, row in enumerate(ds):
+            yield f"{path}[{i}]", row
+        return
+    for file in data_files(path):
+        if file.suffix == ".jsonl":
+            with file.open(encoding="utf-8") as f:
+                for lineno, line in enumerate(f, 1):
+                    if line.strip():
+                        try:
+                            record = json.loads(line)
+                        except json.JSONDecodeError as e:
+                            raise DataError(f"{file}:{lineno}: not valid JSON ({e.msg})") from None
+                        yield f"{file}:{lineno}", record if isinstance(record, dict) else {}
+        elif file.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            for i, row in enumerate(pq.read_table(file).to_pylist()):
+                yield f"{file}[{i}]", row
+        else:
+            raise DataError(f"{file}: structured records come from .jsonl or .parquet files, not {file.suffix}")
+
+
 def documents(path: str, text_field: str) -> Iterator[str]:
     """Every document under ``path`` (a file, a directory of files, or a saved HF dataset), in order."""
     if is_hf_dataset(path):

@@ -15,6 +15,8 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]: ...
+
 
 class ByteTokenizer:
     """UTF-8 bytes as tokens 0..255, then BOS=256 and EOS=257. Needs no files."""
@@ -28,6 +30,15 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        """The ids and, for each, the index of the character it comes from."""
+        ids, starts = [], []
+        for index, char in enumerate(text):
+            encoded = char.encode("utf-8")
+            ids.extend(encoded)
+            starts.extend([index] * len(encoded))
+        return ids, starts
 
 
 class HFTokenizer:
@@ -54,6 +65,12 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        """The ids and, for each, the index of the character it starts at (special tokens in the text,
+        such as a chat template's, are matched whole)."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return encoding.ids, [start for start, _ in encoding.offsets]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]

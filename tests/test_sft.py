@@ -1,0 +1,184 @@
+"""SFT data: chat templates rendered as transformers renders them, targets only on the assistant's
+tokens, conversations packed whole, the step's loss over its targets; and SFT training in dp, tp+SP
+and pp layouts equal to the single-process run."""
+
+import json
+import pathlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from meshtrain.config import DataConfig
+from meshtrain.data.sft import IGNORE, PackedConversations, examples, sft_dataset
+from meshtrain.data.tokenizer import build_tokenizer
+from meshtrain.errors import DataError
+from tests.batch import Job, jobs
+from tests.test_parallel import PP_MODEL, TINY, assert_matches_reference, reference, run_layout
+
+QWEN_STYLE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CONVERSATIONS = [
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi there"},
+     {"role": "assistant", "content": "hello"}, {"role": "user", "content": "how are you?"},
+     {"role": "assistant", "content": "fine, thanks"}],
+    [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
+]
+
+
+def chat_tokenizer(directory: pathlib.Path) -> pathlib.Path:
+    """A byte-level BPE tokenizer.json with chat special tokens, and a tokenizer_config.json with a
+    Qwen-style chat template: what a Hugging Face chat model ships."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    text = " ".join(m["content"] for c in CONVERSATIONS for m in c) * 20
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300, special_tokens=special,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": QWEN_STYLE,
+        "eos_token": "<|endoftext|>", "bos_token": None, "pad_token": "<|endoftext|>"}))
+    return directory
+
+
+def write_chats(path: pathlib.Path, n: int = 200) -> pathlib.Path:
+    with open(path, "w") as f:
+        for i in range(n):
+            conversation = [dict(m) for m in CONVERSATIONS[i % 2]]
+            conversation[-1]["content"] += f" #{i}" * (i % 5)  # lengths vary
+            f.write(json.dumps({"messages": conversation}) + "\n")
+    return path
+
+
+def test_chat_rendering_and_tokens_equal_transformers_apply_chat_template(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    tok_dir = chat_tokenizer(tmp_path / "tok")
+    write_chats(tmp_path / "chats.jsonl", n=2)
+    cfg = DataConfig(format="chat", tokenizer=str(tok_dir))
+    got = list(examples(cfg, str(tmp_path / "chats.jsonl"), build_tokenizer(cfg)))
+    hf = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
+    written = [json.loads(line)["messages"] for line in (tmp_path / "chats.jsonl").read_text().splitlines()]
+    assert len(got) == len(written) == 2
+    for (ids, targets), conversation in zip(got, written):
+        want = hf.apply_chat_template(conversation, tokenize=True, return_dict=False)
+        assert ids == list(want)
+        # the targets decode to the assistant turns with their end-of-turn tokens, nothing else
+        runs, run = [], []
+        for token, target in zip(ids, targets):
+            if target:
+                run.append(token)
+            elif run:
+                runs.append(hf.decode(run)), run.clear()
+        runs += [hf.decode(run)] if run else []
+        assert runs == [m["content"] + "<|im_end|>\n" for m in conversation if m["role"] == "assistant"]
+
+
+def test_byte_offsets_name_the_character_of_each_byte():
+    cfg = DataConfig(format="prompt_response")
+    tokenizer = build_tokenizer(cfg)
+    ids, targets = tokenizer.encode_with_offsets("Q: é?")
+    assert ids == list("Q: é?".encode()) and targets == [0, 1, 2, 3, 3, 4]  # é is two bytes of character 3
+
+
+def test_conversations_are_packed_whole_and_padded(tmp_path):
+    convs = [([1, 2, 3, 4], [False, False, True, True]), ([5, 6, 7], [False, True, True]),
+             ([8] * 12, [True] * 12), ([9, 9], [False, True])]
+    packed = PackedConversations(convs, seq_len=7, pad_id=0, overlong="truncate")
+    assert packed.tokens.tolist() == [[1, 2, 3, 4, 5, 6, 7, 0], [8] * 8, [9, 9, 0, 0, 0, 0, 0, 0]]
+    assert packed.truncated == 1 and packed.conversations == 4
+    inputs, labels, docs = packed[0]
+    assert inputs.tolist() == [1, 2, 3, 4, 5, 6, 7] and docs.tolist() == [0, 0, 0, 0, 1, 1, 1]
+    # a target is the next token of the same conversation; never across a boundary or a pad
+    assert labels.tolist() == [IGNORE, 3, 4, IGNORE, 6, 7, IGNORE]
+    dropped = PackedConversations(convs, seq_len=7, pad_id=0, overlong="drop")
+    assert dropped.dropped == 1 and len(dropped) == 2
+
+
+def test_the_step_loss_is_the_mean_over_all_its_targets_by_hand():
+    """Two micro-batches with 3 and 1 targets: the step loss weighs each target once, unlike the mean
+    of the micro-batch means."""
+    from meshtrain.trainer import StepLoss
+
+    g = torch.Generator().manual_seed(0)
+    logits = [torch.randn(1, 4, 10, generator=g) for _ in range(2)]
+    labels = [torch.tensor([[1, 2, 3, IGNORE]]), torch.tensor([[IGNORE, IGNORE, 5, IGNORE]])]
+    loss = StepLoss()
+    loss.scale = 1 / 4
+    got = sum(loss(lg, lb) for lg, lb in zip(logits, labels))
+    per_target = [-torch.log_softmax(logits[0][0, t], -1)[c] for t, c in [(0, 1), (1, 2), (2, 3)]]
+    per_target.append(-torch.log_softmax(logits[1][0, 2], -1)[5])
+    torch.testing.assert_close(got, sum(per_target) / 4)
+    means = sum(F.cross_entropy(lg[0], lb[0]) for lg, lb in zip(logits, labels)) / 2
+    assert abs(float(got) - float(means)) > 1e-3
+
+
+def test_chat_data_without_messages_or_template_is_refused(tmp_path):
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"text": "no messages"}) + "\n")
+    cfg = DataConfig(format="chat", tokenizer=str(chat_tokenizer(tmp_path / "tok")))
+    with pytest.raises(DataError, match=r"bad.jsonl:1: no list of \{role, content\} messages in field 'messages'"):
+        sft_dataset(cfg, str(tmp_path / "bad.jsonl"), build_tokenizer(cfg), 32)
+    with pytest.raises(DataError, match=r"data.format=chat needs a chat template"):
+        sft_dataset(DataConfig(format="chat"), str(tmp_path / "bad.jsonl"), build_tokenizer(DataConfig()), 32)
+
+
+# ---- SFT training in every layout equals one rank -----------------------------------------------
+
+def sft_data(directory: pathlib.Path) -> tuple[str, ...]:
+    tok = chat_tokenizer(directory / "tok")
+    return ("--data.format", "chat", "--data.tokenizer", str(tok / "tokenizer.json"),
+            "--data.path", str(write_chats(directory / "chats.jsonl")))
+
+
+LAYOUTS = {  # name: (ranks, layout, model options)
+    "dp2": (2, ["--parallel.dp-shard", "2"], ()),
+    "tp2-sp": (2, ["--parallel.tp", "2", "--parallel.sp", "True"], ()),
+    "pp2": (2, ["--parallel.pp", "2"], PP_MODEL),
+    "cp2": (2, ["--parallel.cp", "2"], ()),
+}
+JOBS = {name: Job(f"sft/{name}", nproc, "train", (*TINY, *extra, *layout), prepare=sft_data)
+        for name, (nproc, layout, extra) in LAYOUTS.items()}
+
+
+@pytest.mark.slow
+@jobs("name", JOBS)
+def test_sft_layouts_equal_single_rank(batches, name, tmp_path):
+    nproc, layout, extra = LAYOUTS[name]
+    got = run_layout(batches, JOBS[name])
+    assert_matches_reference(got, reference(extra + sft_data(tmp_path)))
+
+
+@pytest.mark.slow
+def test_the_sft_config_fine_tunes_an_imported_model_and_exports_it(tmp_path):
+    """configs/sft_chat.yaml as the README runs it, on a tiny generated Llama with a chat tokenizer:
+    2 ranks; the export loads in transformers, fine-tuned, with the tokenizer and its chat template."""
+    import shutil
+
+    transformers = pytest.importorskip("transformers")
+    from tests.conftest import ROOT, torchrun
+    from tests.hf_models import write_hf_dir
+
+    model_dir = write_hf_dir(tmp_path / "model")
+    tok = chat_tokenizer(tmp_path / "tok")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok / name, model_dir / name)
+    chats = write_chats(tmp_path / "chats.jsonl")
+    out = tmp_path / "run"
+    proc = torchrun(2, ["-m", "meshtrain", "train", "--config", str(ROOT / "configs" / "sft_chat.yaml"),
+                        "--model.init-from-hf", str(model_dir), "--data.tokenizer", str(model_dir),
+                        "--data.path", str(chats), "--train.steps", "3", "--train.seq-len", "64",
+                        "--train.global-batch-size", "4", "--train.run-dir", str(out),
+                        "--checkpoint.export-hf", str(out / "hf"), "--logging.progress", "off"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "chat SFT: 200 conversations" in proc.stdout and "each conversation attends to itself" in proc.stdout
+    exported = transformers.AutoModelForCausalLM.from_pretrained(str(out / "hf"))
+    source = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir))
+    changed = [n for n, p in exported.named_parameters() if not torch.equal(p, source.get_parameter(n))]
+    assert changed  # fine-tuned
+    assert transformers.AutoTokenizer.from_pretrained(str(out / "hf")).apply_chat_template(
+        CONVERSATIONS[1], tokenize=False).startswith("<|im_start|>user")  # the tokenizer and its template ship
