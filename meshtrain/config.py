@@ -325,6 +325,21 @@ class ProfilingConfig:
 
 
 @dataclass
+class PeftConfig:
+    """Parameter-efficient fine-tuning: LoRA adapters on chosen linears, everything else frozen."""
+
+    method: Literal["none", "lora"] = "none"
+    rank: int = 16
+    alpha: float = 32.0
+    """The update is (alpha / rank) B A x."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input."""
+    targets: list[str] = field(default_factory=lambda: ["*.q_proj", "*.k_proj", "*.v_proj", "*.o_proj",
+                                                        "*.gate_proj", "*.up_proj", "*.down_proj"])
+    """Module names (wildcards) whose linear layers get adapters."""
+
+
+@dataclass
 class EvalConfig:
     """Validation: the loss on held-out data every few steps, without touching training's state."""
 
@@ -350,6 +365,7 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)

@@ -27,7 +27,7 @@ def build_optimizer(parts: list[nn.Module], cfg: OptimizerConfig) -> torch.optim
     # Keyed by the mesh too: expert-parallel experts are DTensors on another mesh than FSDP's.
     groups: dict[tuple[bool, str], list] = {}
     for part in parts:
-        for p in part.parameters():
+        for p in (p for p in part.parameters() if p.requires_grad):  # frozen ones (under LoRA) get no state
             kind = str(p.device_mesh.mesh_dim_names) if isinstance(p, DTensor) else ""
             groups.setdefault((p.ndim >= 2, kind), []).append(p)  # norm weights are 1-D
     groups = [{"params": params, "weight_decay": cfg.weight_decay if decays else 0.0}

@@ -71,6 +71,9 @@ RULES: list[Rule] = [
     _non_negative("eval.interval", "use 0 for no evaluation, or e.g. 100"),
     _positive("eval.steps"),
     ("eval.split", lambda v: 0 <= v < 1, "must be in [0, 1)", "use e.g. 0.01 to hold out 1% of the training samples"),
+    _positive("peft.rank", "use e.g. 16"),
+    _above_zero("peft.alpha", "use e.g. 2 x peft.rank"),
+    ("peft.dropout", lambda v: 0 <= v < 1, "must be in [0, 1)", "use 0, or e.g. 0.05"),
     _non_negative("checkpoint.interval", "use 0 to save nothing"),
     _non_negative("checkpoint.keep_last", "use 0 to keep all"),
     _above_zero("checkpoint.hf_max_shard_gb", "use e.g. 5"),
@@ -99,6 +102,9 @@ def check_ranges(cfg: JobConfig) -> None:
         value = _value(cfg, field)
         if not holds(value):
             raise ConfigError(f"{field}={value} {words}. Fix: {fix}")
+    if cfg.peft.method == "lora" and cfg.train.float8:
+        raise ConfigError("peft.method=lora with train.float8=true is not supported: the adapters would replace "
+                          "the float8 linears' forward. Fix: set train.float8=false")
     e = cfg.eval
     if e.interval and not e.data and not e.split:
         raise ConfigError(f"eval.interval={e.interval} needs held-out data. Fix: set eval.data to a held-out "

@@ -15,6 +15,7 @@ from meshtrain.data.sources import end_of_document_id, training_dataset
 from meshtrain.models.documents import document_ids
 from meshtrain.models.float8 import convert_to_float8
 from meshtrain.models.initialize import init_weights
+from meshtrain.models.lora import add_lora, init_lora
 from meshtrain.models.transformer import Transformer
 from meshtrain.models.moe import MoE
 from meshtrain.optim import build_lr_scheduler, build_optimizer
@@ -31,7 +32,11 @@ def reference_run(cfg: JobConfig) -> dict:
         return document_ids(x, eos) if eos is not None else None
     if t.float8:
         convert_to_float8(model, emulate=t.float8_emulate)
+    if cfg.peft.method == "lora":
+        add_lora(model, cfg.peft)
     init_weights(model, t.seed)
+    if cfg.peft.method == "lora":
+        init_lora(model, t.seed)
     dataset, _ = training_dataset(cfg.data, t.seq_len, t.seed, cfg.model.vocab_size)
     stream = BatchStream(dataset, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size, dp_size=1,
                          dp_rank=0, shuffle=cfg.data.shuffle, seed=t.seed, num_workers=0)

@@ -14,6 +14,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from meshtrain.config import JobConfig
 from meshtrain.models.float8 import convert_to_float8
 from meshtrain.models.initialize import init_weights
+from meshtrain.models.lora import add_lora, check_lora, init_lora
 from meshtrain.models.moe import MoE
 from meshtrain.models.transformer import Transformer
 from meshtrain.parallel.expert import ExpertParallel
@@ -44,6 +45,9 @@ def build_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device, stage:
         for module in model.modules():
             if isinstance(module, MoE):
                 parallelize_module(module.experts, mesh.expert_grid, ExpertParallel())
+    if cfg.peft.method == "lora":  # after EP, which makes the experts' parameters anew (trainable)
+        check_lora(cfg.peft, model)
+        add_lora(model, cfg.peft)
     if cfg.train.compile:
         compile_layers(model, ring_attention=mesh.size("cp") > 1)
     apply_fsdp(model, mesh, mixed_precision=cfg.train.mixed_precision,
@@ -54,6 +58,8 @@ def build_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device, stage:
     model.tie_weights()
     if initialize:
         init_weights(model, cfg.train.seed)
+    if cfg.peft.method == "lora":  # not in a Hugging Face checkpoint: initialised either way
+        init_lora(model, cfg.train.seed)
     return model
 
 
