@@ -337,6 +337,9 @@ class PeftConfig:
     targets: list[str] = field(default_factory=lambda: ["*.q_proj", "*.k_proj", "*.v_proj", "*.o_proj",
                                                         "*.gate_proj", "*.up_proj", "*.down_proj"])
     """Module names (wildcards) whose linear layers get adapters."""
+    export_adapter: str | None = None
+    """At the end, write the adapters here as a PEFT adapter directory (peft.PeftModel loads it onto
+    the base model). checkpoint.export_hf then writes the merged model."""
 
 
 @dataclass

@@ -30,9 +30,11 @@ from meshtrain.data.sources import end_of_document_id, training_dataset
 from meshtrain.errors import ConfigError, TrainingError
 from meshtrain.evaluation import Evaluator
 from meshtrain.hf.adapter import read_hf_config
+from meshtrain.hf.peft import save_peft_adapter
 from meshtrain.hf.io import check_finite, export_dtypes, load_hf_weights, save_hf, tokenizer_files
 from meshtrain.models.float8 import precompute_fsdp_scales
 from meshtrain.models.documents import document_ids
+from meshtrain.models.lora import merge_lora
 from meshtrain.models.moe import MoE
 from meshtrain.models.transformer import count_active_parameters, count_parameters
 from meshtrain.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
@@ -363,9 +365,15 @@ class Trainer:
                             else "profiling.trace: the run ended before the trace window began; no trace written "
                                  "(lower profiling.trace_wait or raise train.steps)")
             self.checkpointer.wait()
+            if cfg.peft.export_adapter:
+                out = save_peft_adapter(self.parts, cfg.peft.export_adapter, cfg.peft, cfg.model.init_from_hf,
+                                        torch.float32)
+                logger.info(f"exported the LoRA adapters as a PEFT adapter to {out}")
             if cfg.checkpoint.export_hf:
+                merged = sum(merge_lora(part) for part in self.parts)  # in place: training is over
                 out = self.export_hf(cfg.checkpoint.export_hf)
-                logger.info(f"exported Hugging Face model to {out}")
+                logger.info(f"exported Hugging Face model to {out}"
+                            + (f" ({merged} LoRA adapters merged into their weights)" if merged else ""))
         finally:
             logger.close()
         return history

@@ -70,3 +70,84 @@ def test_lora_layouts_equal_single_rank(batches, name):
     frozen = [n for n in ref["state"] if not n.endswith(("lora_A", "lora_B"))]
     assert all(torch.equal(ref["state"][n], got["state"][n]) for n in frozen if "norm" in n)  # untouched
     assert ref["losses"][-1] != full["losses"][-1]
+
+
+def lora_job(tmp_path, name: str, nproc: int, *args: str):
+    import json
+
+    from tests.conftest import torchrun
+
+    out = tmp_path / name
+    proc = torchrun(nproc, ["-m", "meshtrain", "train", "--model.init-from-hf", str(tmp_path / "model"),
+                            *LORA, "--train.steps", "4", "--train.global-batch-size", "4", "--train.micro-batch-size",
+                            "2", "--train.seq-len", "32", "--train.run-dir", str(out), "--logging.progress", "off",
+                            "--logging.jsonl", "True", *args])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_lora_of_an_imported_model_exports_merged_weights_and_a_peft_adapter(tmp_path):
+    """tp2 LoRA of a generated Llama: the merged export and the PEFT adapter on the base model give
+    the same logits in transformers/peft, and differ from the base (the adapters trained)."""
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    from tests.hf_models import write_hf_dir
+
+    write_hf_dir(tmp_path / "model")
+    proc, _ = lora_job(tmp_path, "run", 2, "--parallel.tp", "2", "--checkpoint.export-hf", str(tmp_path / "merged"),
+                       "--peft.export-adapter", str(tmp_path / "adapter"))
+    assert "(14 LoRA adapters merged into their weights)" in proc.stdout  # 2 layers x 7 projections
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "model"))
+    x = torch.randint(0, 384, (2, 24))
+    with torch.no_grad():
+        plain = base(x).logits
+        adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter"))(x).logits
+        merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))(x).logits
+    torch.testing.assert_close(adapted, merged, rtol=1e-4, atol=1e-5)
+    assert (merged - plain).abs().max() > 1e-4
+
+
+@pytest.mark.slow
+def test_lora_checkpoints_hold_the_adapters_only_and_resume_exactly(tmp_path):
+    from tests.hf_models import write_hf_dir
+
+    write_hf_dir(tmp_path / "model")
+    _, whole = lora_job(tmp_path, "whole", 2, "--parallel.dp-shard", "2")
+    _, first = lora_job(tmp_path, "resumed", 2, "--parallel.dp-shard", "2", "--checkpoint.interval", "2",
+                        "--train.steps", "2")
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(tmp_path / "resumed" / "checkpoints" / "step-000002")).read_metadata()
+    weights = [k for k in saved.state_dict_metadata if k.startswith("model.")]
+    assert len(weights) == 28 and all(k.endswith(("lora_A", "lora_B")) for k in weights)  # no base weight
+    _, rest = lora_job(tmp_path, "resumed", 2, "--parallel.dp-shard", "2", "--checkpoint.interval", "2")
+    assert [r["loss"] for r in first + rest if r["step"] > 2] == [r["loss"] for r in whole if r["step"] > 2]
+
+
+@pytest.mark.slow
+def test_the_lora_config_fine_tunes_chat_data_into_a_peft_adapter(tmp_path):
+    """configs/lora_chat.yaml as the README runs it, on a tiny Llama with a chat tokenizer, 2 ranks."""
+    import shutil
+
+    from tests.conftest import ROOT, torchrun
+    from tests.hf_models import write_hf_dir
+    from tests.test_sft import chat_tokenizer, write_chats
+
+    model_dir = write_hf_dir(tmp_path / "model")
+    tok = chat_tokenizer(tmp_path / "tok")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok / name, model_dir / name)
+    out = tmp_path / "run"
+    proc = torchrun(2, ["-m", "meshtrain", "train", "--config", str(ROOT / "configs" / "lora_chat.yaml"),
+                        "--model.init-from-hf", str(model_dir), "--data.tokenizer", str(model_dir),
+                        "--data.path", str(write_chats(tmp_path / "chats.jsonl")), "--train.steps", "2",
+                        "--train.seq-len", "64", "--train.global-batch-size", "4", "--train.run-dir", str(out),
+                        "--peft.export-adapter", str(out / "adapter"), "--checkpoint.export-hf", str(out / "merged"),
+                        "--logging.progress", "off"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    config = __import__("json").loads((out / "adapter" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 16 and config["target_modules"] == [
+        "down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert (out / "merged" / "config.json").is_file()

@@ -82,9 +82,13 @@ def check_architecture(meta: dict, model: ModelConfig, where: pathlib.Path) -> N
 
 
 def model_state(parts: list[nn.Module]) -> dict:
+    """The parts' trainable weights and buffers: under LoRA only the adapters (a small checkpoint;
+    the frozen base comes from model.init_from_hf again on resume)."""
+    frozen = any(not p.requires_grad for part in parts for p in part.parameters())
+    options = StateDictOptions(ignore_frozen_params=frozen)
     state = {}
     for part in parts:
-        state.update(get_model_state_dict(part))
+        state.update(get_model_state_dict(part, options=options))
     return state
 
 
@@ -125,7 +129,8 @@ def _load(state: dict, parts: list[nn.Module], path: pathlib.Path) -> None:
         raise CheckpointError(f"{path}: could not be read: truncated, corrupted or written for another model "
                               f"({type(first).__name__}: {detail})") from None
     for part in parts:  # strict=False: ``state`` holds every part of this rank
-        set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
+        set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False,
+                                                                             ignore_frozen_params=True))
         part.reset_buffers(keep_loaded=True)
 
 

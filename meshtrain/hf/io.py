@@ -173,8 +173,10 @@ def expert_pieces(stacked: torch.Tensor) -> dict[int, torch.Tensor] | torch.Tens
 
 
 def _hf_state(part: Transformer, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The part's weights under their Hugging Face names (LoRA adapters are not in a HF model:
+    hf/peft.py writes them)."""
     return to_hf({n: expert_pieces(p.detach()) if ".experts." in n else p.detach()
-                  for n, p in part.named_parameters()}, cfg)
+                  for n, p in part.named_parameters() if not n.endswith((".lora_A", ".lora_B"))}, cfg)
 
 
 @torch.no_grad()

@@ -100,3 +100,32 @@ def check_lora(cfg: PeftConfig, model: nn.Module) -> None:
     if not lora_targets(model, cfg.targets):
         raise ConfigError(f"peft.targets={cfg.targets} match no linear layer. Fix: use module-name wildcards such as "
                           "'*.q_proj' or '*.mlp.*_proj'")
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> int:
+    """Fold every adapter into its base weight, W += (alpha / r) B A, computed in fp32 on the full
+    matrices one at a time, and turn the modules back into plain linears; returns how many. Every
+    rank calls it (the full adapters are gathered)."""
+    merged = 0
+    for module in model.modules():
+        if not isinstance(module, LoRALinear):
+            continue
+        a, b = (t.full_tensor() if isinstance(t, DTensor) else t for t in (module.lora_A, module.lora_B))
+        delta = (b.float() @ a.float()) * module.lora_scale
+        w = module.weight
+        if isinstance(w, DTensor):
+            local = distribute_tensor(delta.to(w.device), w.device_mesh, w.placements, src_data_rank=None).to_local()
+            w.to_local().add_(local.to(w.dtype))
+        else:
+            w.add_(delta.to(device=w.device, dtype=w.dtype))
+        del module.lora_A, module.lora_B
+        module.__class__ = nn.Linear
+        merged += 1
+    return merged
+
+
+def adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every adapter of this part, whole, on CPU (gathered on every rank that holds a shard)."""
+    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().cpu()
+            for name, p in model.named_parameters() if name.endswith((".lora_A", ".lora_B"))}
