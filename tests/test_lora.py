@@ -70,6 +70,8 @@ def test_lora_layouts_equal_single_rank(batches, name):
     frozen = [n for n in ref["state"] if not n.endswith(("lora_A", "lora_B"))]
     assert all(torch.equal(ref["state"][n], got["state"][n]) for n in frozen if "norm" in n)  # untouched
     assert ref["losses"][-1] != full["losses"][-1]
+    if name == "dp2":  # 14 adapters of 4096 + 4096 elements in all, half on each FSDP rank; AdamW's two moments
+        assert got["trainable_elements"] == 4096 and got["optimizer_bytes"] == 2 * 4 * 4096
 
 
 def lora_job(tmp_path, name: str, nproc: int, *args: str):
@@ -151,3 +153,20 @@ def test_the_lora_config_fine_tunes_chat_data_into_a_peft_adapter(tmp_path):
     assert config["peft_type"] == "LORA" and config["r"] == 16 and config["target_modules"] == [
         "down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
     assert (out / "merged" / "config.json").is_file()
+
+
+def test_merging_gives_the_adapted_models_logits():
+    from meshtrain.models.lora import merge_lora
+
+    model = tiny()
+    add_lora(model, PeftConfig(method="lora", rank=4, alpha=8))
+    init_lora(model, 0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora_B"):
+                p.normal_(0, 0.1)  # trained adapters
+    x = torch.randint(0, 384, (2, 16))
+    adapted = model(x)
+    assert merge_lora(model) == 14 and not any(isinstance(m, LoRALinear) for m in model.modules())
+    torch.testing.assert_close(model(x), adapted, rtol=1e-5, atol=1e-5)
+    assert not any(n.endswith(("lora_A", "lora_B")) for n, _ in model.named_parameters())

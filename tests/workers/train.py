@@ -6,6 +6,7 @@ import contextlib
 from types import SimpleNamespace
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from meshtrain.cli import parse
@@ -51,6 +52,12 @@ def run(args, out, runtime) -> None:
             "losses": [m["loss"] for m in history],
             "grad_norms": [m["grad_norm"] for m in history],
             "state": state,
+            # this rank's AdamW state (moments, not the step counters) and trainable elements
+            "optimizer_bytes": sum(v.to_local().nbytes if isinstance(v, DTensor) else v.nbytes
+                                   for opt in trainer.optimizers for st in opt.state.values()
+                                   for v in st.values() if isinstance(v, torch.Tensor) and v.ndim > 0),
+            "trainable_elements": sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+                                      for p in trainer.params),
             "comm_counts": dict(comm.counts),
             "comm_bytes": dict(comm.bytes),
             "compiled_graphs": trainer.compiled_graphs,
