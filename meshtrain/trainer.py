@@ -270,6 +270,8 @@ class Trainer:
             ids = documents.to(inputs.device) if self.cfg.data.document_mask != "off" else None
         else:
             ids = document_ids(inputs, self.document_eos) if self.document_eos is not None else None
+        if ids is not None and not bool(ids[:, -1].any()):  # one document per sample: plain causal attention
+            ids = None  # (every rank of a cp or pp group holds the same batch here, so they agree)
         batch = [inputs, labels] if ids is None else [inputs, labels, ids]
         with sequence_sharded(self.mesh, batch, self.parts, self.cfg.parallel.cp_rotate_method,
                               documents=ids is not None):

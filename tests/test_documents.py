@@ -86,13 +86,11 @@ def short_documents(directory: pathlib.Path) -> tuple[str, ...]:
 
 RESET = ("--data.reset-position-ids", "True")
 LAYOUTS = {  # name: (ranks, layout, options)
-    "dp2": (2, ["--parallel.dp-shard", "2"], ()),
     "dp2-reset-positions": (2, ["--parallel.dp-shard", "2"], RESET),
     "tp2-sp-reset-positions": (2, ["--parallel.tp", "2", "--parallel.sp", "True"], RESET),
     "pp2-interleaved": (2, ["--parallel.pp", "2", "--parallel.vpp", "2"], PP_MODEL + RESET),
     "moe-ep2": (2, ["--parallel.ep", "2"], MOE_ARGS),
     # cp: keys and values all-gathered, the mask built for the load-balanced chunks
-    "cp2": (2, ["--parallel.cp", "2"], ()),
     "cp2-reset-positions": (2, ["--parallel.cp", "2"], RESET),
     "cp2-tp2-sp": (4, ["--parallel.cp", "2", "--parallel.tp", "2", "--parallel.sp", "True"], RESET),
     "pp2-cp2": (4, ["--parallel.pp", "2", "--parallel.cp", "2"], PP_MODEL + RESET),

@@ -89,29 +89,6 @@ def lora_job(tmp_path, name: str, nproc: int, *args: str):
 
 
 @pytest.mark.slow
-def test_lora_of_an_imported_model_exports_merged_weights_and_a_peft_adapter(tmp_path):
-    """tp2 LoRA of a generated Llama: the merged export and the PEFT adapter on the base model give
-    the same logits in transformers/peft, and differ from the base (the adapters trained)."""
-    peft = pytest.importorskip("peft")
-    import transformers
-
-    from tests.hf_models import write_hf_dir
-
-    write_hf_dir(tmp_path / "model")
-    proc, _ = lora_job(tmp_path, "run", 2, "--parallel.tp", "2", "--checkpoint.export-hf", str(tmp_path / "merged"),
-                       "--peft.export-adapter", str(tmp_path / "adapter"))
-    assert "(14 LoRA adapters merged into their weights)" in proc.stdout  # 2 layers x 7 projections
-    base = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "model"))
-    x = torch.randint(0, 384, (2, 24))
-    with torch.no_grad():
-        plain = base(x).logits
-        adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter"))(x).logits
-        merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))(x).logits
-    torch.testing.assert_close(adapted, merged, rtol=1e-4, atol=1e-5)
-    assert (merged - plain).abs().max() > 1e-4
-
-
-@pytest.mark.slow
 def test_lora_checkpoints_hold_the_adapters_only_and_resume_exactly(tmp_path):
     from tests.hf_models import write_hf_dir
 
@@ -129,9 +106,15 @@ def test_lora_checkpoints_hold_the_adapters_only_and_resume_exactly(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_lora_config_fine_tunes_chat_data_into_a_peft_adapter(tmp_path):
-    """configs/lora_chat.yaml as the README runs it, on a tiny Llama with a chat tokenizer, 2 ranks."""
+def test_the_lora_config_fine_tunes_chat_data_into_a_peft_adapter_and_a_merged_model(tmp_path):
+    """configs/lora_chat.yaml as the README runs it, on a tiny Llama with a chat tokenizer, tp2: the
+    PEFT adapter on the base model (loaded by peft) and the merged export (by transformers) give the
+    same logits, not the base model's."""
+    import json
     import shutil
+
+    peft = pytest.importorskip("peft")
+    import transformers
 
     from tests.conftest import ROOT, torchrun
     from tests.hf_models import write_hf_dir
@@ -146,13 +129,22 @@ def test_the_lora_config_fine_tunes_chat_data_into_a_peft_adapter(tmp_path):
                         "--model.init-from-hf", str(model_dir), "--data.tokenizer", str(model_dir),
                         "--data.path", str(write_chats(tmp_path / "chats.jsonl")), "--train.steps", "2",
                         "--train.seq-len", "64", "--train.global-batch-size", "4", "--train.run-dir", str(out),
+                        "--parallel.tp", "2", "--optimizer.lr", "1e-2", "--lr-schedule.warmup-steps", "1",
                         "--peft.export-adapter", str(out / "adapter"), "--checkpoint.export-hf", str(out / "merged"),
                         "--logging.progress", "off"])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    config = __import__("json").loads((out / "adapter" / "adapter_config.json").read_text())
+    assert "(14 LoRA adapters merged into their weights)" in proc.stdout  # 2 layers x 7 projections
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 16 and config["target_modules"] == [
         "down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
-    assert (out / "merged" / "config.json").is_file()
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir))
+    x = torch.randint(0, 384, (2, 24))
+    with torch.no_grad():
+        plain = base(x).logits
+        adapted = peft.PeftModel.from_pretrained(base, str(out / "adapter"))(x).logits
+        merged = transformers.AutoModelForCausalLM.from_pretrained(str(out / "merged"))(x).logits
+    torch.testing.assert_close(adapted, merged, rtol=1e-4, atol=1e-5)
+    assert (merged - plain).abs().max() > 1e-4
 
 
 def test_merging_gives_the_adapted_models_logits():
