@@ -14,11 +14,10 @@ pytestmark = pytest.mark.slow
 
 EVAL = ("--eval.interval", "2", "--eval.steps", "2", "--eval.data", DataConfig().path)
 LAYOUTS = {  # name: (ranks, layout, model options)
-    "dp2": (2, ["--parallel.dp-shard", "2"], ()),
     "tp2-sp-loss-parallel": (2, ["--parallel.tp", "2", "--parallel.sp", "True", "--parallel.loss-parallel", "True"], ()),
     "pp2-interleaved": (2, ["--parallel.pp", "2", "--parallel.vpp", "2"], PP_MODEL),
     "cp2": (2, ["--parallel.cp", "2"], ()),
-    "moe-ep2": (2, ["--parallel.ep", "2"], MOE_ARGS),
+    "moe-ep2-dp2": (2, ["--parallel.ep", "2"], MOE_ARGS),  # ep folded over dp2: the dp reduction too
 }
 JOBS = {name: train_job(f"eval/{name}", nproc, layout, EVAL + model) for name, (nproc, layout, model) in LAYOUTS.items()}
 

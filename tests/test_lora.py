@@ -52,8 +52,6 @@ LAYOUTS = {  # name: (ranks, layout, extra)
     "dp2": (2, ["--parallel.dp-shard", "2"], ()),
     "tp2-sp": (2, ["--parallel.tp", "2", "--parallel.sp", "True"], ()),
     "pp2": (2, ["--parallel.pp", "2"], PP_MODEL),
-    "dp2-tp2-sp": (4, ["--parallel.tp", "2", "--parallel.sp", "True"], ()),
-    "moe-dp2-attention": (2, ["--parallel.dp-shard", "2"], MOE_ARGS + ("--peft.targets", "*.q_proj", "*.v_proj", "*.o_proj")),
     "moe-ep2-attention": (2, ["--parallel.ep", "2"], MOE_ARGS + ("--peft.targets", "*.q_proj", "*.v_proj", "*.o_proj")),
 }
 JOBS = {name: train_job(f"lora/{name}", nproc, layout, LORA + extra) for name, (nproc, layout, extra) in LAYOUTS.items()}
