@@ -3,9 +3,10 @@
 Every ``eval.interval`` steps (and after the last) the model runs forward only, in eval mode and
 without gradients, over the same ``eval.steps`` global batches each time: the held-out dataset
 from its start, or the split of the training samples held out of training. The loss is weighted by
-the number of valid tokens (labels other than -100): each micro-batch's mean times its valid
-tokens, summed over micro-batches, pipeline stages and dp x cp ranks, divided by their count. Under
-PP the schedule's own eval path runs the micro-batches; under CP and TP the loss is computed on the
+the number of valid tokens (labels other than -100): the summed token cross-entropy over
+micro-batches, pipeline stages and dp x cp ranks, divided by their count. The trainer's loss
+function (the pipeline schedule's too) computes that sum while its scale is held at 1. Under PP the
+schedule's own eval path runs the micro-batches; under CP and TP the loss is computed on the
 sharded sequence and logits as in training. Nothing random runs and the training data stream is
 not read, so a run with evaluation trains exactly as one without.
 """
@@ -28,7 +29,7 @@ IGNORE = -100
 
 
 class Evaluator:
-    def __init__(self, trainer, dataset: Dataset, source: str, loss_fn):
+    def __init__(self, trainer, dataset: Dataset, source: str):
         cfg = trainer.cfg
         t, e = cfg.train, cfg.eval
         need = e.steps * t.global_batch_size
@@ -37,7 +38,7 @@ class Evaluator:
                             f"{e.steps} x train.global_batch_size={t.global_batch_size} needs {need:,}. Fix: give "
                             "more held-out data (eval.data / eval.split) or lower eval.steps")
         dp = trainer.mesh["dp"]
-        self.trainer, self.steps, self.loss_fn = trainer, e.steps, loss_fn
+        self.trainer, self.steps = trainer, e.steps
         self.stream = BatchStream(dataset, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
                                   dp_size=dp.size(), dp_rank=dp.get_local_rank(), shuffle=False, seed=t.seed,
                                   num_workers=0)
@@ -51,6 +52,9 @@ class Evaluator:
         tokens = torch.zeros((), dtype=torch.float64, device=device)
         for part in trainer.parts:
             part.eval()
+        # The training step's scale (its target count, FSDP's and the schedule's averaging) does not
+        # apply here: every micro-batch's loss is its plain sum.
+        train_scale, trainer.loss_fn.scale = trainer.loss_fn.scale, 1.0
         try:
             for _ in range(self.steps):
                 batches = self.stream.next_step()
@@ -59,6 +63,7 @@ class Evaluator:
                 loss_sum += s
                 tokens += n
         finally:
+            trainer.loss_fn.scale = train_scale
             for part in trainer.parts:
                 part.train()
         if trainer.pipeline is not None:  # the last stage holds the loss; every stage the token count
@@ -74,20 +79,17 @@ class Evaluator:
         if trainer.pipeline is not None:
             inputs, labels, *documents = (torch.cat(x).to(device) for x in zip(*batches))
             with trainer.sharded(inputs, labels, *documents) as document_ids:
-                means = trainer.pipeline.eval_losses(inputs, labels, document_ids)
-                valid = [(mb != IGNORE).sum() for mb in labels.tensor_split(trainer.pipeline.n_microbatches)]
-            total = sum((m.double() * v for m, v in zip(means, valid)), torch.zeros((), dtype=torch.float64,
-                                                                                    device=device))
-            return total, sum(valid).double()
+                sums = trainer.pipeline.eval_losses(inputs, labels, document_ids)
+                valid = (labels != IGNORE).sum()
+            return torch.stack(sums).double().sum(), valid.double()
         (model,) = trainer.parts
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         count = torch.zeros((), dtype=torch.float64, device=device)
         for inputs, labels, *documents in batches:
             inputs, labels = inputs.to(device), labels.to(device)
             with trainer.sharded(inputs, labels, *documents) as document_ids:
-                mean = self.loss_fn(model(inputs, document_ids), labels)
+                total = trainer.loss_fn(model(inputs, document_ids), labels)
                 valid = (labels != IGNORE).sum()
-            mean = mean.full_tensor() if isinstance(mean, DTensor) else mean
-            loss_sum += mean.double() * valid
+            loss_sum += (total.full_tensor() if isinstance(total, DTensor) else total).double()
             count += valid
         return loss_sum, count

@@ -98,7 +98,7 @@ class Trainer:
         self.clock = PhaseClock(runtime.device)
         self.compiled_graphs: list[int] = []
         """With train.compile: graphs compiled by the end of each step (growth after step 1 = recompiles)."""
-        self.evaluator = Evaluator(self, *self.eval_data, cross_entropy) if self.eval_data else None
+        self.evaluator = Evaluator(self, *self.eval_data) if self.eval_data else None
 
     def _build_data(self) -> BatchStream:
         """This dp rank's share of every optimizer step's batches."""

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from meshtrain.config import DataConfig
-from tests.batch import jobs
+from tests.batch import Job, jobs
 from tests.test_moe import MOE_ARGS
-from tests.test_parallel import PP_MODEL, assert_matches_reference, reference, run_layout, train_job
+from tests.test_parallel import PP_MODEL, TINY, assert_matches_reference, reference, run_layout, train_job
 
 pytestmark = pytest.mark.slow
 
@@ -66,3 +66,24 @@ def test_a_split_holds_out_the_last_samples_and_reports_val_loss(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "val_loss" in r] == [5]
     assert records[-1]["val_ppl"] == pytest.approx(2.718281828 ** records[-1]["val_loss"], rel=1e-6)
+
+
+def sft_eval_data(directory):
+    from tests.test_sft import sft_data
+
+    args = sft_data(directory)
+    return (*args, "--eval.data", args[args.index("--data.path") + 1])
+
+
+SFT_EVAL = ("--eval.interval", "2", "--eval.steps", "2")
+SFT_PP2 = Job("eval/sft-pp2", 2, "train", (*TINY, *PP_MODEL, *SFT_EVAL, "--parallel.pp", "2"), prepare=sft_eval_data)
+
+
+@pytest.mark.job(SFT_PP2)
+def test_sft_eval_through_the_pipeline_weights_every_target_once(batches, tmp_path):
+    """Masked labels: micro-batches hold different numbers of targets, so each must count by its
+    targets, whatever scale the last training step left on the pipeline's loss function."""
+    got = run_layout(batches, SFT_PP2)
+    ref = reference(PP_MODEL + SFT_EVAL + sft_eval_data(tmp_path))
+    assert_matches_reference(got, ref)
+    torch.testing.assert_close(got["val_losses"], ref["val_losses"], rtol=1e-5, atol=0)

@@ -84,8 +84,8 @@ class Pipeline:
 
     def eval_losses(self, inputs: torch.Tensor, labels: torch.Tensor,
                     document_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """Forward only, through the schedule's eval path: each micro-batch's loss on the last
-        stage, zeros elsewhere."""
+        """Forward only, through the schedule's eval path: each micro-batch's loss (the schedule's
+        loss function) on the last stage, zeros elsewhere."""
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         kwargs = {"document_ids": document_ids} if document_ids is not None else {}
