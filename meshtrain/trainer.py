@@ -368,8 +368,8 @@ class Trainer:
                                  "(lower profiling.trace_wait or raise train.steps)")
             self.checkpointer.wait()
             if cfg.peft.export_adapter:
-                out = save_peft_adapter(self.parts, cfg.peft.export_adapter, cfg.peft, cfg.model.init_from_hf,
-                                        torch.float32)
+                out = save_peft_adapter(self.parts, cfg.peft.export_adapter, cfg.peft, cfg.model,
+                                        cfg.model.init_from_hf, torch.float32)
                 logger.info(f"exported the LoRA adapters as a PEFT adapter to {out}")
             if cfg.checkpoint.export_hf:
                 merged = sum(merge_lora(part) for part in self.parts)  # in place: training is over

@@ -1,4 +1,6 @@
-"""LoRA: adapters on the chosen linears, base frozen, every layout equal to the single-process LoRA run."""
+"""LoRA: adapters on the chosen linears and experts, base frozen, every layout equal to the single-process LoRA run."""
+
+import json
 
 import pytest
 import torch
@@ -6,7 +8,7 @@ import torch
 from meshtrain.config import ModelConfig, PeftConfig
 from meshtrain.errors import ConfigError
 from meshtrain.models.initialize import init_weights
-from meshtrain.models.lora import LoRALinear, add_lora, check_lora, init_lora
+from meshtrain.models.lora import LoRALinear, add_lora, check_lora, init_lora, lora_targets
 from meshtrain.models.transformer import Transformer
 from tests.batch import jobs
 from tests.test_moe import MOE_ARGS
@@ -39,20 +41,27 @@ def test_adapters_start_as_a_no_op_and_only_they_train():
     assert q.lora_A.shape == (4, 64) and q.lora_B.shape == (64, 4) and q.lora_scale == 2.0
 
 
-def test_targets_that_match_nothing_or_the_experts_are_refused():
+def test_targets_that_match_nothing_or_split_the_fused_gate_up_pair_for_peft_are_refused():
     with pytest.raises(ConfigError, match=r"peft.targets=\['\*.nothing'\] match no linear layer"):
         check_lora(PeftConfig(method="lora", targets=["*.nothing"]), tiny())
     moe = tiny(family="qwen3_moe", num_experts=4, moe_intermediate_size=32)
-    with pytest.raises(ConfigError, match=r"LoRA on MoE experts is not supported yet"):
-        check_lora(PeftConfig(method="lora", targets=["*.experts"]), moe)
+    assert lora_targets(moe, ["*.experts"]) == [f"layers.{i}.mlp.experts.{p}" for i in range(2)
+                                                for p in ("gate_proj", "up_proj", "down_proj")]
+    assert lora_targets(moe, ["*.up_proj"]) == ["layers.0.mlp.experts.up_proj", "layers.1.mlp.experts.up_proj"]
+    check_lora(PeftConfig(method="lora", targets=["*.experts.up_proj"]), moe)  # fine without a PEFT export
+    with pytest.raises(ConfigError, match=r"adapt the experts' \{'up_proj'\} without the other.*Fix: target both"):
+        check_lora(PeftConfig(method="lora", targets=["*.experts.up_proj"], export_adapter="out"), moe)
 
 
-LORA = ("--peft.method", "lora", "--peft.rank", "4", "--peft.alpha", "8", "--optimizer.lr", "1e-2")
+LORA = ("--peft.method", "lora", "--peft.rank", "4", "--peft.alpha", "8", "--optimizer.lr", "3e-3")
 LAYOUTS = {  # name: (ranks, layout, extra)
     "dp2": (2, ["--parallel.dp-shard", "2"], ()),
     "tp2-sp": (2, ["--parallel.tp", "2", "--parallel.sp", "True"], ()),
     "pp2": (2, ["--parallel.pp", "2"], PP_MODEL),
-    "moe-ep2-attention": (2, ["--parallel.ep", "2"], MOE_ARGS + ("--peft.targets", "*.q_proj", "*.v_proj", "*.o_proj")),
+    # per-expert adapters on the stacked experts: sharded over ep with them, or split over etp like each expert
+    "moe-ep2": (2, ["--parallel.ep", "2"], MOE_ARGS + ("--peft.targets", "*.q_proj", "*.o_proj", "*.experts")),
+    "moe-tp2-sp-etp2": (2, ["--parallel.tp", "2", "--parallel.sp", "True", "--parallel.etp", "2"],
+                        MOE_ARGS + ("--peft.targets", "*.q_proj", "*.o_proj", "*.experts")),
 }
 JOBS = {name: train_job(f"lora/{name}", nproc, layout, LORA + extra) for name, (nproc, layout, extra) in LAYOUTS.items()}
 
@@ -68,6 +77,9 @@ def test_lora_layouts_equal_single_rank(batches, name):
     frozen = [n for n in ref["state"] if not n.endswith(("lora_A", "lora_B"))]
     assert all(torch.equal(ref["state"][n], got["state"][n]) for n in frozen if "norm" in n)  # untouched
     assert ref["losses"][-1] != full["losses"][-1]
+    if name.startswith("moe"):  # the expert adapters trained too (B starts at zero)
+        expert_b = [n for n in ref["state"] if n.endswith("experts.down_proj_lora_B")]
+        assert expert_b and all(ref["state"][n].abs().max() > 0 for n in expert_b)
     if name == "dp2":  # 14 adapters of 4096 + 4096 elements in all, half on each FSDP rank; AdamW's two moments
         assert got["trainable_elements"] == 4096 and got["optimizer_bytes"] == 2 * 4 * 4096
 
@@ -160,3 +172,42 @@ def test_merging_gives_the_adapted_models_logits():
     assert merge_lora(model) == 14 and not any(isinstance(m, LoRALinear) for m in model.modules())
     torch.testing.assert_close(model(x), adapted, rtol=1e-5, atol=1e-5)
     assert not any(n.endswith(("lora_A", "lora_B")) for n, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_expert_adapters_load_in_peft_and_merge_into_a_transformers_model(tmp_path, family):
+    """Per-expert adapters on a model imported from transformers: the PEFT directory (per-expert
+    names, which peft fuses for transformers 5's gate_up_proj) on the HF base model, and the merged
+    export loaded by transformers, both give meshtrain's adapted logits."""
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    from meshtrain.hf.io import export_dtypes, save_hf
+    from meshtrain.hf.peft import save_peft_adapter
+    from meshtrain.models.lora import merge_lora
+    from tests.test_moe import hf_dir, meshtrain_from
+
+    hf, directory = hf_dir(tmp_path, family)
+    ours = meshtrain_from(directory)
+    lora = PeftConfig(method="lora", rank=4, alpha=8, targets=["*.q_proj", "*.experts"])
+    add_lora(ours, lora)
+    init_lora(ours, 0)
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if name.endswith("lora_B"):
+                p.normal_(0, 0.2)  # trained adapters
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        adapted, plain = ours(tokens), hf(tokens).logits
+    adapter = save_peft_adapter([ours], str(tmp_path / "adapter"), lora, ours.cfg, str(directory), torch.float32)
+    names = {"qwen3_moe": ["down_proj", "gate_proj", "q_proj", "up_proj"], "mixtral": ["q_proj", "w1", "w2", "w3"]}
+    assert json.loads((adapter / "adapter_config.json").read_text())["target_modules"] == names[family]
+    merged = 2 * (1 + 3) if family == "mixtral" else 2 * 1 + 2 * 3 + 1  # qwen3_moe: layer 0 is dense
+    assert merge_lora(ours) == merged
+    out = save_hf([ours], str(tmp_path / "merged"), export_dtypes(ours.cfg, "auto"), max_shard_bytes=10**9)
+    with torch.no_grad():
+        from_peft = peft.PeftModel.from_pretrained(hf, str(adapter))(tokens).logits
+        from_merged = transformers.AutoModelForCausalLM.from_pretrained(str(out))(tokens).logits
+    torch.testing.assert_close(from_peft, adapted, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(from_merged, adapted, rtol=1e-4, atol=1e-5)
+    assert (adapted - plain).abs().max() > 1e-2

@@ -14,7 +14,7 @@ from meshtrain.config import ModelConfig
 from meshtrain.hf.adapter import from_hf, hf_config_from_model, hf_shapes, model_config_from_hf, to_hf
 from meshtrain.models.initialize import init_weights
 from meshtrain.models.transformer import Transformer
-from meshtrain.models.moe import MoE, grouped_expert_ffn, grouped_mm_supported, looped_expert_ffn, use_grouped_mm
+from meshtrain.models.moe import MoE
 from tests.hf_models import read_tensors
 from tests.batch import Job, jobs
 from tests.test_checkpoint_parallel import losses, step3
@@ -129,27 +129,44 @@ def test_load_balancing_loss_and_expert_load():
     assert float(moe.mean_aux_loss()) == pytest.approx(aux.item(), rel=1e-6)
 
 
+@pytest.mark.parametrize("lora", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_gemm_experts_equal_the_loop(dtype):
+def test_grouped_gemm_experts_equal_the_loop(monkeypatch, dtype, lora):
     """The grouped path (CUDA's fast path; torch runs it on CPU too) against the per-expert loop
-    that CPU trains with, forward and backward, empty groups included."""
-    e, i, h = 4, 32, 16
+    that CPU trains with, forward and backward, empty groups included, with and without per-expert
+    LoRA adapters on every projection."""
+    from meshtrain.config import PeftConfig
+    from meshtrain.models import moe as moe_module
+    from meshtrain.models.lora import add_lora
+
+    cfg = ModelConfig(family="qwen3_moe", hidden_size=16, num_experts=4, moe_intermediate_size=32)
     counts = torch.tensor([5, 0, 9, 2])
-    weights = [torch.randn(e, i, h, dtype=dtype), torch.randn(e, i, h, dtype=dtype), torch.randn(e, h, i, dtype=dtype)]
-    x = torch.randn(int(counts.sum()), h, dtype=dtype)
-    assert grouped_mm_supported(x, *weights)
-    grads = torch.randn(x.shape[0], h, dtype=dtype)
+    x = torch.randn(int(counts.sum()), 16, dtype=dtype)
+    grads = torch.randn(x.shape[0], 16, dtype=dtype)
     results = []
-    for ffn in (grouped_expert_ffn, looped_expert_ffn):
-        leaves = [t.clone().requires_grad_() for t in (x, *weights)]
-        out = ffn(leaves[0], counts, *leaves[1:])
+    for grouped in (True, False):
+        experts = moe_module.Experts(cfg)
+        if lora:
+            add_lora(experts, PeftConfig(method="lora", rank=8, targets=["*"]))
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in experts.parameters():
+                p.normal_().requires_grad_()
+        experts.to(dtype)
+        operands = [t for _, t in experts.named_parameters()]
+        assert moe_module.grouped_mm_supported(x, *operands)
+        monkeypatch.setattr(moe_module, "use_grouped_mm", lambda *_, grouped=grouped: grouped)
+        leaf = x.clone().requires_grad_()
+        out = experts(leaf, counts)
         out.backward(grads)
-        results.append([out.detach()] + [t.grad for t in leaves])
-    tol = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+        results.append([out.detach(), leaf.grad] + [t.grad for t in operands])
+    assert len(results[0]) == (2 + 9 if lora else 2 + 3)
+    tol = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 5e-2}
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, **tol)
-    assert not grouped_mm_supported(torch.randn(3, 7), torch.randn(2, 5, 7))  # rows of 28 bytes
-    assert not use_grouped_mm(x, *weights)  # CPU trains with the loop (measured faster there)
+    monkeypatch.undo()
+    assert not moe_module.grouped_mm_supported(torch.randn(3, 7), torch.randn(2, 5, 7))  # rows of 28 bytes
+    assert not moe_module.use_grouped_mm(x, *operands)  # CPU trains with the loop (measured faster there)
 
 
 def test_capacity_keeps_first_choices_before_second_choices():

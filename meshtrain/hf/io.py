@@ -32,6 +32,7 @@ from meshtrain.parallel._torch_private import StridedShard
 from meshtrain.config import ModelConfig
 from meshtrain.errors import CheckpointError
 from meshtrain.hf.adapter import DTYPE_NAMES, DTYPES, hf_config_from_model, hf_shapes, to_hf
+from meshtrain.models.lora import is_adapter
 from meshtrain.models.transformer import Transformer
 
 INDEX = "model.safetensors.index.json"
@@ -176,7 +177,7 @@ def _hf_state(part: Transformer, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The part's weights under their Hugging Face names (LoRA adapters are not in a HF model:
     hf/peft.py writes them)."""
     return to_hf({n: expert_pieces(p.detach()) if ".experts." in n else p.detach()
-                  for n, p in part.named_parameters() if not n.endswith((".lora_A", ".lora_B"))}, cfg)
+                  for n, p in part.named_parameters() if not is_adapter(n)}, cfg)
 
 
 @torch.no_grad()

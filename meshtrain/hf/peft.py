@@ -1,6 +1,11 @@
 """LoRA adapters as a PEFT adapter directory: ``adapter_model.safetensors`` under PEFT's names
 (``base_model.model.<HF module path>.lora_A.weight``) and ``adapter_config.json``, which
-``peft.PeftModel.from_pretrained`` loads onto the base Hugging Face model."""
+``peft.PeftModel.from_pretrained`` loads onto the base Hugging Face model.
+
+Stacked expert adapters [E, ...] are written per expert under the checkpoint's per-expert module
+names (``...mlp.experts.3.gate_proj.lora_A.weight``; Mixtral's ``w1``/``w3``/``w2``), the names
+LoRA on those experts has in PEFT; peft (0.21) converts them on loading for transformers 5's fused
+experts (A concatenated, B block-diagonal over gate and up, rank and alpha doubled)."""
 
 from __future__ import annotations
 
@@ -13,20 +18,25 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from meshtrain.config import PeftConfig
-from meshtrain.hf.adapter import to_hf_name
+from meshtrain.config import ModelConfig, PeftConfig
+from meshtrain.hf.adapter import to_hf, to_hf_name
 from meshtrain.hf.io import INCOMPLETE, check_export_target
 from meshtrain.models.lora import adapter_tensors
 
 
-def peft_key(name: str) -> str:
-    """``layers.0.self_attn.q_proj.lora_A`` -> ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``."""
-    module, adapter = name.rsplit(".", 1)
-    return f"base_model.model.{to_hf_name(module + '.weight').removesuffix('.weight')}.{adapter}.weight"
+def peft_tensors(name: str, adapter: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """``layers.0.self_attn.q_proj.lora_A`` -> ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``;
+    ``layers.0.mlp.experts.gate_proj_lora_A`` [E, r, in] -> ``...mlp.experts.{e}.gate_proj.lora_A.weight`` [r, in]
+    for each expert e (the base weight's HF names, through the same mapping)."""
+    owner, _, leaf = name.rpartition(".")
+    kind = leaf[-len("lora_A"):]  # lora_A or lora_B
+    weight = f"{owner}.weight" if leaf == kind else f"{owner}.{leaf.removesuffix('_' + kind)}"
+    hf = to_hf({weight: adapter}, cfg) or {to_hf_name(weight): adapter}  # a tied output head has no HF weight
+    return {f"base_model.model.{key.removesuffix('.weight')}.{kind}.weight": value for key, value in hf.items()}
 
 
-def save_peft_adapter(parts: list[torch.nn.Module], directory: str, cfg: PeftConfig, base: str | None,
-                      dtype: torch.dtype) -> pathlib.Path:
+def save_peft_adapter(parts: list[torch.nn.Module], directory: str, cfg: PeftConfig, model_cfg: ModelConfig,
+                      base: str | None, dtype: torch.dtype) -> pathlib.Path:
     """Every rank calls this; rank 0 writes (under ``DIR.incomplete``, renamed when done)."""
     mine: dict[str, torch.Tensor] = {}
     for part in parts:
@@ -37,8 +47,9 @@ def save_peft_adapter(parts: list[torch.nn.Module], directory: str, cfg: PeftCon
         dist.all_gather_object(every, mine)
     out = check_export_target(directory)
     if not dist.is_initialized() or dist.get_rank() == 0:
-        tensors = {peft_key(n): t.to(dtype).contiguous() for part in every for n, t in part.items()}
-        modules = sorted({n.rsplit(".", 2)[-2] for part in every for n in part})
+        tensors = {key: t.to(dtype, copy=True) for part in every for n, adapter in part.items()
+                   for key, t in peft_tensors(n, adapter, model_cfg).items()}
+        modules = sorted({key.rsplit(".", 3)[-3] for key in tensors})
         tmp = out.with_name(out.name + INCOMPLETE)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)

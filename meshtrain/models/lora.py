@@ -1,13 +1,17 @@
-"""LoRA: W x + (alpha / r) B A x on chosen linear layers, with W (and everything else) frozen.
+"""LoRA: W x + (alpha / r) B A x on chosen linear layers and stacked experts, with W (and
+everything else) frozen.
 
-The adapters live on the linear module itself (``q_proj.lora_A`` [r, in], ``q_proj.lora_B``
-[out, r]), so the base weight keeps its name and PEFT's adapter names are those plus ``.weight``.
-They are added after tensor parallelism, placed to follow the base layer: for a column-parallel W
-(Shard(0)) A is replicated and B split like W's rows; for a row-parallel W (Shard(1)) A is split
-like W's columns and B replicated, so B A x is a partial sum that joins W x's before the
-row-parallel reduction. FSDP then shards them like any parameter; the frozen base needs no
-gradient and no optimizer state. A starts as nn.Linear's default (uniform, bound 1/sqrt(in)), B at
-zero, each from a generator seeded by (seed, name), so every layout starts from the same adapters.
+The adapters live on the module that holds W: a linear's ``q_proj.lora_A`` [r, in] and
+``q_proj.lora_B`` [out, r] (the base weight keeps its name; PEFT's names are these plus
+``.weight``), and the stacked experts' ``gate_proj_lora_A`` [E, r, in] and ``gate_proj_lora_B``
+[E, out, r]: one adapter per expert, computed per expert group like the experts themselves.
+They are added after tensor and expert parallelism, placed to follow the base weight on every mesh
+dim: where W is split on its output dim (column-parallel), A is replicated and B split the same
+way; where W is split on its input dim (row-parallel), A is split like W's columns and B
+replicated, so B A x is a partial sum that joins W x's before the reduction; where W is split over
+experts, both are. FSDP then shards them like any parameter; the frozen base needs no gradient and
+no optimizer state. A starts as nn.Linear's default (uniform, bound 1/sqrt(in)), B at zero, each
+from a generator seeded by (seed, name), so every layout starts from the same adapters.
 """
 
 from __future__ import annotations
@@ -16,15 +20,22 @@ import fnmatch
 import zlib
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed._functional_collectives import all_reduce
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from meshtrain.config import PeftConfig
 from meshtrain.errors import ConfigError
 from meshtrain.models.initialize import copy_full_into
+from meshtrain.models.moe import ExpertGroups, Experts, local
 
 ADAPTERS = ("lora_A", "lora_B")
+
+
+def is_adapter(name: str) -> bool:
+    return name.endswith(ADAPTERS)
 
 
 class LoRALinear(nn.Linear):
@@ -40,48 +51,121 @@ class LoRALinear(nn.Linear):
         return F.linear(x, self.weight, self.bias) + F.linear(F.linear(update, self.lora_A), self.lora_B) * self.lora_scale
 
 
+class LoRAExperts(Experts):
+    """Stacked experts with a LoRA update on each of ``lora_projections``, one adapter per expert."""
+
+    lora_projections: tuple[str, ...]
+    lora_scale: float
+    lora_dropout: float
+
+    def project(self, x: torch.Tensor, name: str, weight: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+        out = groups.linear(x, weight)
+        if name not in self.lora_projections:
+            return out
+        base = getattr(self, name)
+        a, b = (_local_adapter(getattr(self, f"{name}_{kind}"), base) for kind in ADAPTERS)
+        update = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
+        return out + groups.linear(groups.linear(update, a), b) * self.lora_scale
+
+    def extra_operands(self) -> tuple[torch.Tensor, ...]:
+        return tuple(local(getattr(self, f"{name}_{kind}")) for name in self.lora_projections for kind in ADAPTERS)
+
+
+class _SumGradient(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over ``group`` (each rank's is a partial sum)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad.contiguous(), "sum", ctx.group), None
+
+
+def _local_adapter(adapter: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a stacked adapter, for computing outside DTensor (as the experts do).
+    Where the adapter is replicated over a mesh dim that splits its base weight (A of a gate/up
+    projection, B of down, under expert tensor parallelism), each rank's gradient covers only its
+    slice of the FFN: it is summed over that dim in backward."""
+    if not isinstance(adapter, DTensor):
+        return adapter
+    mine = adapter.to_local()
+    for dim, (own, of_base) in enumerate(zip(adapter.placements, base.placements)):
+        if own.is_replicate() and not of_base.is_replicate():
+            mine = _SumGradient.apply(mine, adapter.device_mesh.get_group(dim))
+    return mine
+
+
+def targeted(name: str, patterns: list[str] | tuple[str, ...]) -> bool:
+    """Whether a linear layer ``name``, or a stacked experts' projection ``...experts.gate_proj``, gets
+    adapters: its own name matches a pattern, or (a projection) its experts' name does."""
+    owner, _, projection = name.rpartition(".")
+    names = [name, owner] if owner.rpartition(".")[2] == "experts" and projection in Experts.PROJECTIONS else [name]
+    return any(fnmatch.fnmatchcase(n, p) for n in names for p in patterns)
+
+
 def lora_targets(model: nn.Module, patterns: list[str]) -> list[str]:
-    """The linear layers whose names match a pattern (the output head only if named)."""
-    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)
-             and any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+    """The linear layers and stacked experts' projections ``targeted`` chooses (the output head only if named)."""
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and targeted(name, patterns):
+            names.append(name)
+        elif isinstance(module, Experts):
+            names += [f"{name}.{p}" for p in Experts.PROJECTIONS if targeted(f"{name}.{p}", patterns)]
     return names
 
 
-def _adapter(shape: tuple[int, int], like: torch.Tensor, placement) -> nn.Parameter:
-    empty = torch.empty(shape, device=like.device, dtype=like.dtype)
-    if isinstance(like, DTensor):
-        empty = distribute_tensor(empty, like.device_mesh, [placement], src_data_rank=None)
-    return nn.Parameter(empty)
+def _adapter_pair(weight: torch.Tensor, rank: int) -> tuple[nn.Parameter, nn.Parameter]:
+    """Empty A [..., r, in] and B [..., out, r] for a weight [..., out, in], placed to follow it."""
+    *lead, out_features, in_features = weight.shape
+    shapes = ((*lead, rank, in_features), (*lead, out_features, rank))
+    pair = [torch.empty(shape, device=weight.device, dtype=weight.dtype) for shape in shapes]
+    if isinstance(weight, DTensor):
+        a_place, b_place = [], []
+        for placement in weight.placements:
+            if placement.is_shard(weight.ndim - 2):  # output dim: column-parallel
+                a_place.append(Replicate()), b_place.append(placement)
+            elif placement.is_shard(weight.ndim - 1):  # input dim: row-parallel
+                a_place.append(placement), b_place.append(Replicate())
+            else:  # replicated, or split over experts
+                a_place.append(placement), b_place.append(placement)
+        pair = [distribute_tensor(t, weight.device_mesh, p, src_data_rank=None) for t, p in zip(pair, (a_place, b_place))]
+    return nn.Parameter(pair[0]), nn.Parameter(pair[1])
 
 
 def add_lora(model: nn.Module, cfg: PeftConfig) -> list[str]:
-    """Add adapters to the target linears of ``model`` (after TP, before FSDP), freeze the rest;
+    """Add adapters to the targets of ``model`` (after TP and EP, before FSDP), freeze the rest;
     returns the targets' names."""
     targets = lora_targets(model, cfg.targets)
     for name in targets:
-        module = model.get_submodule(name)
-        out_features, in_features = module.weight.shape
-        a_place, b_place = Replicate(), Replicate()
-        if isinstance(module.weight, DTensor):
-            (placement,) = module.weight.placements
-            a_place, b_place = (Replicate(), Shard(0)) if placement == Shard(0) else (Shard(1), Replicate())
-        module.lora_A = _adapter((cfg.rank, in_features), module.weight, a_place)
-        module.lora_B = _adapter((out_features, cfg.rank), module.weight, b_place)
+        owner, _, projection = name.rpartition(".")
+        module = model.get_submodule(owner)
+        if not isinstance(module, Experts):
+            module = model.get_submodule(name)
+            module.lora_A, module.lora_B = _adapter_pair(module.weight, cfg.rank)
+            module.__class__ = LoRALinear
+        else:
+            a, b = _adapter_pair(getattr(module, projection), cfg.rank)
+            module.register_parameter(f"{projection}_lora_A", a)
+            module.register_parameter(f"{projection}_lora_B", b)
+            module.lora_projections = getattr(module, "lora_projections", ()) + (projection,)
+            module.__class__ = LoRAExperts
         module.lora_scale, module.lora_dropout = cfg.alpha / cfg.rank, cfg.dropout
-        module.__class__ = LoRALinear
     for name, param in model.named_parameters():
-        param.requires_grad_(name.rsplit(".", 1)[-1] in ADAPTERS)
+        param.requires_grad_(is_adapter(name))
     return targets
 
 
 @torch.no_grad()
 def init_lora(model: nn.Module, seed: int) -> None:
     for name, param in model.named_parameters():
-        if name.endswith(".lora_A"):
+        if name.endswith("lora_A"):
             gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            bound = 1 / param.shape[1] ** 0.5
+            bound = 1 / param.shape[-1] ** 0.5
             full = torch.empty(param.shape).uniform_(-bound, bound, generator=gen)
-        elif name.endswith(".lora_B"):
+        elif name.endswith("lora_B"):
             full = torch.zeros(param.shape)
         else:
             continue
@@ -89,43 +173,58 @@ def init_lora(model: nn.Module, seed: int) -> None:
 
 
 def check_lora(cfg: PeftConfig, model: nn.Module) -> None:
-    """Refuse targets that match nothing, or the stacked experts (not supported yet)."""
+    """Refuse targets that match nothing, and expert gate/up adapters apart when a PEFT adapter is
+    to be exported (transformers 5 fuses them into one gate_up_proj, and peft refuses one alone)."""
     if cfg.method != "lora":
         return
-    experts = [n for n, _ in model.named_modules() if n.endswith(".experts") and
-               any(fnmatch.fnmatchcase(n, p) for p in cfg.targets)]
-    if experts:
-        raise ConfigError(f"peft.targets match the stacked experts ({experts[0]}): LoRA on MoE experts is not "
-                          "supported yet. Fix: target the attention projections (and shared experts)")
-    if not lora_targets(model, cfg.targets):
+    targets = lora_targets(model, cfg.targets)
+    if not targets:
         raise ConfigError(f"peft.targets={cfg.targets} match no linear layer. Fix: use module-name wildcards such as "
-                          "'*.q_proj' or '*.mlp.*_proj'")
+                          "'*.q_proj', '*.mlp.*_proj' or '*.experts'")
+    experts = {t.rsplit(".", 1)[-1] for t in targets if t.rsplit(".", 2)[-2] == "experts"}
+    if cfg.export_adapter and len(experts & {"gate_proj", "up_proj"}) == 1:
+        raise ConfigError(f"peft.targets={cfg.targets} adapt the experts' {experts & {'gate_proj', 'up_proj'}} "
+                          "without the other, but peft.export_adapter is set and peft loads expert adapters onto "
+                          "transformers' fused gate_up_proj only as a pair. Fix: target both '*.experts.gate_proj' "
+                          "and '*.experts.up_proj' (or '*.experts'), or leave peft.export_adapter unset")
 
 
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> int:
     """Fold every adapter into its base weight, W += (alpha / r) B A, computed in fp32 on the full
-    matrices one at a time, and turn the modules back into plain linears; returns how many. Every
-    rank calls it (the full adapters are gathered)."""
+    matrices one at a time, and turn the modules back into plain linears and experts; returns how
+    many weights took an update. Every rank calls it (the full adapters are gathered)."""
     merged = 0
     for module in model.modules():
-        if not isinstance(module, LoRALinear):
-            continue
-        a, b = (t.full_tensor() if isinstance(t, DTensor) else t for t in (module.lora_A, module.lora_B))
-        delta = (b.float() @ a.float()) * module.lora_scale
-        w = module.weight
-        if isinstance(w, DTensor):
-            local = distribute_tensor(delta.to(w.device), w.device_mesh, w.placements, src_data_rank=None).to_local()
-            w.to_local().add_(local.to(w.dtype))
+        if isinstance(module, LoRALinear):
+            pairs, plain = {"weight": ("lora_A", "lora_B")}, nn.Linear
+        elif isinstance(module, LoRAExperts):
+            pairs, plain = {p: (f"{p}_lora_A", f"{p}_lora_B") for p in module.lora_projections}, Experts
         else:
-            w.add_(delta.to(device=w.device, dtype=w.dtype))
-        del module.lora_A, module.lora_B
-        module.__class__ = nn.Linear
-        merged += 1
+            continue
+        for weight_name, (a_name, b_name) in pairs.items():
+            a, b = (_full(getattr(module, n)) for n in (a_name, b_name))
+            _add_full(getattr(module, weight_name), (b.float() @ a.float()) * module.lora_scale)
+            delattr(module, a_name)
+            delattr(module, b_name)
+            merged += 1
+        module.__class__ = plain
     return merged
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _add_full(weight: torch.Tensor, delta: torch.Tensor) -> None:
+    if isinstance(weight, DTensor):
+        local_delta = distribute_tensor(delta.to(weight.device), weight.device_mesh, weight.placements,
+                                        src_data_rank=None).to_local()
+        weight.to_local().add_(local_delta.to(weight.dtype))
+    else:
+        weight.add_(delta.to(device=weight.device, dtype=weight.dtype))
 
 
 def adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every adapter of this part, whole, on CPU (gathered on every rank that holds a shard)."""
-    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().cpu()
-            for name, p in model.named_parameters() if name.endswith((".lora_A", ".lora_B"))}
+    return {name: _full(p).detach().float().cpu() for name, p in model.named_parameters() if is_adapter(name)}

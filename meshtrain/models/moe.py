@@ -9,10 +9,10 @@ dp/ep ranks. With aux-loss-free balancing a per-expert bias is added to the scor
 for choosing the experts only (DeepSeek-V3); the weights stay the softmax probabilities.
 
 Dispatch: the token copies are sorted by expert, each expert runs its SwiGLU on its contiguous
-group (``F.grouped_mm`` over the jagged groups on CUDA bf16, SM >= 80; elsewhere a loop over the
-groups, which tests/test_moe.py checks against the grouped path on CPU), and the weighted outputs
-are summed back into token order. Experts are stacked
-weights [E, ...] so that expert parallelism can shard dim 0.
+group (``ExpertGroups``: ``F.grouped_mm`` over the jagged groups on CUDA bf16, SM >= 80; elsewhere a
+loop over the groups, which tests/test_moe.py checks against the grouped path on CPU), and the
+weighted outputs are summed back into token order. Experts are stacked weights [E, ...] so that
+expert parallelism can shard dim 0.
 
 Load balancing: the Switch Transformer loss E * sum_i f_i * P_i (f_i: the fraction of token copies
 routed to expert i, P_i: its mean router probability), per sequence, averaged; scaled by
@@ -118,6 +118,8 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """E SwiGLU experts as stacked weights: gate_proj/up_proj [E, I, hidden], down_proj [E, hidden, I]."""
 
+    PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         e, i, h = cfg.num_experts, cfg.resolved_moe_intermediate_size, cfg.hidden_size
@@ -129,10 +131,39 @@ class Experts(nn.Module):
         """x [N, hidden]: token copies sorted by expert, ``counts[e]`` of them for local expert e."""
         # Under expert parallelism the weights are DTensors sharded over experts: compute on this
         # rank's experts (to_local is differentiable, so the gradients land in the DTensors).
-        gate, up, down = (w.to_local() if isinstance(w, DTensor) else w
-                          for w in (self.gate_proj, self.up_proj, self.down_proj))
-        ffn = grouped_expert_ffn if use_grouped_mm(x, gate, up, down) else looped_expert_ffn
-        return ffn(x, counts, gate, up, down)
+        gate, up, down = (local(getattr(self, name)) for name in self.PROJECTIONS)
+        groups = ExpertGroups(counts, use_grouped_mm(x, gate, up, down, *self.extra_operands()))
+        hidden = F.silu(self.project(x, "gate_proj", gate, groups)) * self.project(x, "up_proj", up, groups)
+        return self.project(hidden, "down_proj", down, groups)
+
+    def project(self, x: torch.Tensor, name: str, weight: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+        """x times each expert's slice of projection ``name`` (LoRA adds its update here)."""
+        return groups.linear(x, weight)
+
+    def extra_operands(self) -> tuple[torch.Tensor, ...]:
+        """Further matrices ``project`` multiplies by (they must suit the grouped GEMM too)."""
+        return ()
+
+
+def local(weight: torch.Tensor) -> torch.Tensor:
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+class ExpertGroups:
+    """Rows sorted by expert, ``counts[e]`` for expert e, multiplied by each expert's own matrix:
+    one grouped GEMM over the jagged groups (no loop, no host sync), or a loop over the groups
+    (any device and dtype; needs the counts on the host)."""
+
+    def __init__(self, counts: torch.Tensor, grouped: bool):
+        self.offsets = torch.cumsum(counts, 0, dtype=torch.int32) if grouped else None
+        self.sizes = None if grouped else counts.tolist()
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [N, in], weight [E, out, in] -> [N, out]."""
+        if self.offsets is not None:
+            return F.grouped_mm(x, weight.transpose(-2, -1), offs=self.offsets)
+        outs = [group @ weight[e].t() for e, group in enumerate(torch.split(x, self.sizes))]
+        return torch.cat(outs) if outs else x.new_zeros(0, weight.shape[-2])
 
 
 def use_grouped_mm(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -146,23 +177,6 @@ def use_grouped_mm(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether ``F.grouped_mm`` takes these operands: one dtype, every row stride a multiple of 16 bytes."""
     return all(t.dtype == x.dtype and t.stride(-2) * t.element_size() % 16 == 0 for t in (x, *weights))
-
-
-def grouped_expert_ffn(x, counts, gate, up, down) -> torch.Tensor:
-    """The experts' SwiGLU as three grouped GEMMs over the jagged groups: no loop, no host sync."""
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    hidden = F.silu(F.grouped_mm(x, gate.transpose(-2, -1), offs=offs)) * \
-        F.grouped_mm(x, up.transpose(-2, -1), offs=offs)
-    return F.grouped_mm(hidden, down.transpose(-2, -1), offs=offs)
-
-
-def looped_expert_ffn(x, counts, gate, up, down) -> torch.Tensor:
-    """The same, one expert at a time (any device and dtype; needs the counts on the host)."""
-    outs = []
-    for e, group in enumerate(torch.split(x, counts.tolist())):
-        hidden = F.silu(group @ gate[e].t()) * (group @ up[e].t())
-        outs.append(hidden @ down[e].t())
-    return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
 
 
 class MoE(nn.Module):
