@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from meshtrain.cli import main
-from meshtrain.config import ModelConfig
+from meshtrain.config import ModelConfig, PeftConfig
 from meshtrain.errors import ConfigError
 from meshtrain.models.initialize import init_weights
+from meshtrain.models.lora import add_lora
 from meshtrain.parallel.layout import plan_layout
 from meshtrain.models.transformer import Transformer, count_parameters
 from meshtrain.planning.memory import Sizes, estimate, layer_activation_elements, rank_parameters, trainer_rank_state
@@ -20,7 +21,8 @@ from meshtrain.planning.options import GB, PlanConfig
 from meshtrain.planning.recommend import recommend
 from meshtrain.planning.report import unsharded
 from meshtrain.planning.shapes import (active_parameters, parameter_tensors, resolve, shape_from_count,
-                                      shape_from_hf_config, shape_from_model_config, total_parameters)
+                                      shape_from_hf_config, shape_from_model_config, total_parameters,
+                                      trainable_parameters)
 from tests.batch import Job, jobs
 from tests.conftest import ROOT, tiny_config
 
@@ -232,6 +234,29 @@ def test_parameter_inventory_equals_the_model():
         with torch.device("meta"):
             names = {n: tuple(p.shape) for n, p in Transformer(cfg).named_parameters()}
         assert {t.name: t.shape for t in parameter_tensors(shape_from_model_config(cfg, family))} == names
+        # with LoRA (dense and expert targets, the head named): the adapters and which tensors train
+        targets = ("*.q_proj", "*.down_proj", "*.experts.up_proj", "lm_head")
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        add_lora(model, PeftConfig(method="lora", rank=8, targets=list(targets)))
+        lora = dataclasses.replace(shape_from_model_config(cfg, family), lora_rank=8, lora_targets=targets)
+        assert {t.name: (t.shape, t.trainable) for t in parameter_tensors(lora)} == {
+            n: (tuple(p.shape), p.requires_grad) for n, p in model.named_parameters()}
+
+
+def test_lora_plans_gradients_and_optimizer_state_for_the_adapters_only(capsys):
+    cfg, s = resolve(PlanConfig(params="8b", lora_rank=16))
+    assert trainable_parameters(s) == 41_943_040  # Llama 3 8B, r = 16 on all seven projections (PEFT's count too)
+    sizes = Sizes(world=8, tp=4, sp=True, stage_layers=(32,))
+    lora, full = (estimate(shape, sizes, cfg, "1F1B", 1, "none") for shape in (s, dataclasses.replace(s, lora_rank=0)))
+    assert lora.params == full.params + lora.trained  # the base stays, the adapters add to it
+    assert lora.grads == lora.trained * 4 and lora.optimizer == lora.trained * 8 < full.optimizer / 50
+    main(["plan", "--model", str(ROOT / "configs" / "lora_chat.yaml"), "--gpus", "2"])
+    assert "LoRA rank 16 on *.q_proj" in capsys.readouterr().out  # the YAML's peft section
+    with pytest.raises(ConfigError, match="--lora-targets is given without --lora-rank"):
+        resolve(PlanConfig(params="8b", lora_targets=["*.q_proj"]))
+    with pytest.raises(ConfigError, match=r"LoRA targets \['\*.qproj'\] match no linear layer"):
+        resolve(PlanConfig(params="8b", lora_rank=8, lora_targets=["*.qproj"]))
 
 
 # ---- per-rank bytes vs the trainer -------------------------------------------------------------
@@ -241,7 +266,11 @@ LAYOUTS = {
         ("moe_dp2", {"model": {"family": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 32,
                                "shared_expert_intermediate_size": 48, "mlp_only_layers": [0]}}),
         ("moe_tp2_sp", {"model": {"family": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 32,
-                                  "shared_expert_intermediate_size": 48}, "parallel": {"tp": 2, "sp": True}})],
+                                  "shared_expert_intermediate_size": 48}, "parallel": {"tp": 2, "sp": True}}),
+        # LoRA: the base frozen (weights only), the adapters placed like their base (here on experts split by etp)
+        ("lora_moe_tp2_sp_etp2", {"model": {"family": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 32},
+                                  "parallel": {"tp": 2, "sp": True, "etp": 2},
+                                  "peft": {"method": "lora", "rank": 4, "targets": ["*.q_proj", "*.o_proj", "*.experts"]}})],
     4: [("dp4", {"train": {"micro_batch_size": 1}}),
         ("tp2_dp2", {"parallel": {"tp": 2, "sp": True}}),
         ("tp2_dp2_qwen3_bf16", {"model": {"family": "qwen3"}, "parallel": {"tp": 2},
@@ -259,7 +288,11 @@ LAYOUTS = {
                           "parallel": {"ep": 2}, "train": {"micro_batch_size": 1}}),
         ("moe_ep2_edp2_uneven", {"model": {"family": "qwen3_moe", "num_experts": 2, "num_experts_per_tok": 1,
                                            "moe_intermediate_size": 32},
-                                 "parallel": {"ep": 2}, "train": {"micro_batch_size": 1}})],
+                                 "parallel": {"ep": 2}, "train": {"micro_batch_size": 1}}),
+        ("lora_pp2_dp2", {"parallel": {"pp": 2}, "peft": {"method": "lora", "rank": 4}}),
+        ("lora_moe_ep2_edp2", {"model": {"family": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 32},
+                               "parallel": {"ep": 2}, "train": {"micro_batch_size": 1},
+                               "peft": {"method": "lora", "rank": 4, "targets": ["*.v_proj", "*.experts"]}})],
 }
 
 

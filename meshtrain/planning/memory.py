@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from meshtrain.config import JobConfig
 from meshtrain.planning.options import PlanConfig
-from meshtrain.planning.shapes import ModelShape, ParamTensor, parameter_tensors, shape_from_model_config
+from meshtrain.planning.shapes import ModelShape, ParamTensor, parameter_tensors, shape_from_job
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def local_elements(t: ParamTensor, sizes: Sizes, *, tp_rank: int = 0, fsdp_rank:
     shape = list(t.shape)
     if t.expert and sizes.ep * sizes.etp > 1:
         shape[0] //= sizes.ep
-        if sizes.etp > 1:
+        if sizes.etp > 1 and t.tp_dim is not None:  # None: a LoRA adapter replicated over etp
             shape[t.tp_dim] //= sizes.etp
         shards, shard_rank = sizes.edp, edp_rank  # FSDP splits each ep shard over all of edp (HSDP too)
     else:  # dense tensors, and experts without ep/etp (FSDP shards them with the dense ones)
@@ -93,11 +93,12 @@ def stage_ids_of(pp_rank: int, sizes: Sizes, schedule: str) -> list[int]:
 
 
 def rank_parameters(s: ModelShape, sizes: Sizes, schedule: str, *, pp_rank: int = 0, tp_rank: int = 0,
-                    fsdp_rank: int = 0, edp_rank: int = 0, fsdp: bool = True) -> int:
-    """Parameter elements on one rank: its pipeline stages, its tp/ep slice, its FSDP shard."""
+                    fsdp_rank: int = 0, edp_rank: int = 0, fsdp: bool = True, trainable: bool = False) -> int:
+    """Parameter elements on one rank: its pipeline stages, its tp/ep slice, its FSDP shard (with
+    ``trainable``, only those that get gradients and optimizer state: a LoRA fine-tune's adapters)."""
     mine = stage_tensors(parameter_tensors(s), s, sizes, stage_ids_of(pp_rank, sizes, schedule))
     return sum(local_elements(t, sizes, tp_rank=tp_rank, fsdp_rank=fsdp_rank, edp_rank=edp_rank, fsdp=fsdp)
-               for t in mine)
+               for t in mine if t.trainable or not trainable)
 
 
 # ---- bytes per parameter and per activation ----------------------------------------------------
@@ -126,10 +127,11 @@ def trainer_rank_state(cfg: JobConfig, layout, *, pp_rank: int, tp_rank: int, fs
     """The plan's parameter elements and parameter/grad/optimizer bytes for one rank of a trainer
     run with ``cfg`` on ``layout`` (the figures ``telemetry.allocation.measure_training_state`` measures)."""
     prec = precision_of(PlanConfig(precision={"fp32": "fp32", "bf16": "bf16-mixed"}[cfg.train.mixed_precision]))
-    n = rank_parameters(shape_from_model_config(cfg.model, cfg.model.family), sizes_of(layout), layout.pp_schedule,
-                        pp_rank=pp_rank, tp_rank=tp_rank, fsdp_rank=fsdp_rank, edp_rank=edp_rank)
-    return {"param_elements": n, "param_bytes": n * prec.weights, "grad_bytes": n * prec.grads,
-            "optimizer_bytes": n * prec.optimizer}
+    n, trained = (rank_parameters(shape_from_job(cfg, cfg.model.family), sizes_of(layout), layout.pp_schedule,
+                                  pp_rank=pp_rank, tp_rank=tp_rank, fsdp_rank=fsdp_rank, edp_rank=edp_rank,
+                                  trainable=only) for only in (False, True))
+    return {"param_elements": n, "param_bytes": n * prec.weights, "grad_bytes": trained * prec.grads,
+            "optimizer_bytes": trained * prec.optimizer}
 
 
 def layer_activation_elements(s: ModelShape, layer: int, sizes: Sizes, tokens: int, ac: str,
@@ -211,6 +213,17 @@ class Memory:
     ac: str
     """train.activation_checkpointing: none, full or selective."""
     pp_rank: int = 0
+    trainable: int | None = None
+    """Of ``params``, those with gradients and optimizer state (a LoRA fine-tune's adapters); None: all."""
+    trainable_no_fsdp: int | None = None
+
+    @property
+    def trained(self) -> int:
+        return self.params if self.trainable is None else self.trainable
+
+    @property
+    def trained_no_fsdp(self) -> int:
+        return self.params_no_fsdp if self.trainable_no_fsdp is None else self.trainable_no_fsdp
 
     @property
     def weights(self) -> float:
@@ -218,11 +231,11 @@ class Memory:
 
     @property
     def grads(self) -> float:
-        return self.params * self.precision.grads
+        return self.trained * self.precision.grads
 
     @property
     def optimizer(self) -> float:
-        return self.params * self.precision.optimizer
+        return self.trained * self.precision.optimizer
 
     @property
     def states(self) -> float:
@@ -231,7 +244,7 @@ class Memory:
     @property
     def states_no_fsdp(self) -> float:
         p = self.precision
-        return self.params_no_fsdp * (p.weights + p.grads + p.optimizer)
+        return self.params_no_fsdp * p.weights + self.trained_no_fsdp * (p.grads + p.optimizer)
 
     @property
     def total(self) -> float:
@@ -265,10 +278,10 @@ def estimate(s: ModelShape, sizes: Sizes, cfg: PlanConfig, schedule: str, microb
         last = (sizes.pp * sizes.vpp - 1) in stages
         # logits (compute dtype) + their fp32 copy + log-softmax output, vocab-sharded by tp (loss_parallel)
         logits = tokens / sizes.cp * s.vocab_size / sizes.tp * (prec.activations + 8) if last else 0.0
-        m = Memory(rank_parameters(s, sizes, schedule, pp_rank=pp_rank),
-                   rank_parameters(s, sizes, schedule, pp_rank=pp_rank, fsdp=False), prec, act,
-                   (per_layer[0] if per_layer else 0) * prec.activations, logits, flight, len(layer_ids), ac,
-                   pp_rank)
+        counts = [rank_parameters(s, sizes, schedule, pp_rank=pp_rank, fsdp=fsdp, trainable=trainable)
+                  for trainable in (False, True) for fsdp in (True, False)]
+        m = Memory(counts[0], counts[1], prec, act, (per_layer[0] if per_layer else 0) * prec.activations, logits,
+                   flight, len(layer_ids), ac, pp_rank, *(counts[2:] if s.lora_rank else (None, None)))
         if best is None or m.total > best.total:
             best = m
     return best

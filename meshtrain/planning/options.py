@@ -50,3 +50,9 @@ class PlanConfig:
     ep: int | None = None
     global_batch_size: int | None = None
     """Sequences per step; default micro * dp * (4 * pp micro-batches with a pipeline, else 1)."""
+    lora_rank: int | None = None
+    """Plan a LoRA fine-tune: adapters of this rank train, the base weights are frozen (no gradients,
+    no optimizer state). Default: a meshtrain YAML's peft section; 0 trains every weight."""
+    lora_targets: list[str] | None = None
+    """With --lora-rank: the modules (wildcards) that get adapters. Default: the YAML's peft.targets,
+    else meshtrain's default (attention and MLP projections, the experts' included)."""

@@ -7,7 +7,7 @@ import dataclasses
 from meshtrain.planning.memory import Memory, Sizes, estimate
 from meshtrain.planning.options import GB, PlanConfig
 from meshtrain.planning.recommend import Plan, unique_in_order, recommend
-from meshtrain.planning.shapes import active_parameters, format_count, resolve, total_parameters
+from meshtrain.planning.shapes import active_parameters, format_count, resolve, total_parameters, trainable_parameters
 
 
 
@@ -60,15 +60,21 @@ def report(plan: Plan, cfg: PlanConfig) -> str:
     lines += ["", f"memory per GPU ({unit}), busiest rank (pp rank {m.pp_rank}: {m.layers_on_rank} layers; {p.note}):",
               f"  {'':34}{'no parallelism':>16}{'this layout':>14}{'+ FSDP':>10}"]
     fsdp = z.dp * z.cp > 1
-    rows = [("weights", p.weights), ("gradients", p.grads), ("optimizer state", p.optimizer)]
-    for name, b in rows:
-        lines.append(f"  {name + f' ({b} B/param)':34}{_gb(single.params * b):>16}{_gb(m.params_no_fsdp * b):>14}"
-                     f"{_gb(m.params * b):>10}")
+    rows = [("weights", p.weights, False), ("gradients", p.grads, True), ("optimizer state", p.optimizer, True)]
+    for name, b, trained in rows:
+        counts = (single.trained, m.trained_no_fsdp, m.trained) if trained else (single.params, m.params_no_fsdp,
+                                                                                  m.params)
+        lines.append(f"  {name + f' ({b} B/param)':34}{_gb(counts[0] * b):>16}{_gb(counts[1] * b):>14}"
+                     f"{_gb(counts[2] * b):>10}")
     lines.append(f"  {'activations':34}{_gb(single.activations):>16}{_gb(m.activations):>14}{_gb(m.activations):>10}")
     lines.append(f"  {'logits and loss':34}{_gb(single.logits):>16}{_gb(m.logits):>14}{_gb(m.logits):>10}")
     lines.append(f"  {'total':34}{_gb(single.total):>16}{_gb(m.total_no_fsdp):>14}{_gb(m.total):>10}")
     if not fsdp:
         lines.append("  (dp*cp = 1: nothing for FSDP to shard)")
+    if s.lora_rank:
+        lines.append(f"  LoRA rank {s.lora_rank} on {', '.join(s.lora_targets)}: {format_count(trainable_parameters(s))} "
+                     f"of the parameters train ({trainable_parameters(s) / params:.2%}); gradients and optimizer state "
+                     f"are the adapters' only ({format_count(m.trained)} on this rank), the frozen base keeps its weights")
     naive = single.total / (z.tp * z.pp)
     lines.append(f"  no-parallelism total / (tp*pp) = {naive / scale:.2f} {unit}: the naive split; this layout differs by "
                  f"the {m.in_flight:g} micro-batch(es) in flight on that rank, by the embedding or head it holds, "

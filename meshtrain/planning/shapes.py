@@ -10,7 +10,7 @@ import pathlib
 import re
 from dataclasses import dataclass
 
-from meshtrain.config import JobConfig, ModelConfig
+from meshtrain.config import JobConfig, ModelConfig, PeftConfig
 from meshtrain.config_files import load_yaml
 from meshtrain.errors import ConfigError
 from meshtrain.planning.options import PlanConfig
@@ -38,6 +38,10 @@ class ModelShape:
     dense_layers: tuple[int, ...] = ()
     """MoE models: the layers that keep a dense MLP (HF's mlp_only_layers / decoder_sparse_step)."""
     max_position_embeddings: int = 131072
+    lora_rank: int = 0
+    """LoRA fine-tuning: adapters of this rank on ``lora_targets`` train, every other weight is frozen
+    (0: every weight trains)."""
+    lora_targets: tuple[str, ...] = ()
 
     @property
     def is_moe(self) -> bool:
@@ -176,7 +180,15 @@ def resolve_shape(cfg: PlanConfig) -> tuple[ModelShape, JobConfig | None]:
             raise ConfigError(f"--model: {path} is not valid JSON ({e})") from None
         return shape_from_hf_config(hf, str(path)), None
     job = load_yaml(str(path))
-    return shape_from_model_config(job.model, f"{path} ({job.model.family})"), job
+    return shape_from_job(job, f"{path} ({job.model.family})"), job
+
+
+def shape_from_job(job: JobConfig, name: str) -> ModelShape:
+    """A meshtrain job's model, with its LoRA adapters when it fine-tunes with LoRA."""
+    shape = shape_from_model_config(job.model, name)
+    if job.peft.method == "lora":
+        shape = dataclasses.replace(shape, lora_rank=job.peft.rank, lora_targets=tuple(job.peft.targets))
+    return shape
 
 
 # ---- the tensor inventory ------------------------------------------------------------------
@@ -191,19 +203,51 @@ class ParamTensor:
     """Stacked experts [E, ...]: ep shards dim 0, etp the hidden dim, FSDP runs over edp."""
     layer: int | None = None
     """None for the embedding, final norm and output head."""
+    linear: bool = False
+    """A linear layer's weight or a stacked experts' projection: what LoRA can target."""
+    trainable: bool = True
+    """False for the frozen base weights of a LoRA fine-tune: no gradient, no optimizer state."""
 
 
 def parameter_tensors(s: ModelShape) -> list[ParamTensor]:
-    """Every trained tensor, named and placed as ``models.transformer.Transformer`` and ``parallel.tensor`` do."""
+    """Every parameter, named and placed as ``models.transformer.Transformer`` and ``parallel.tensor``
+    do, and with LoRA the adapters (``models.lora``)."""
+    base = _base_tensors(s)
+    return _with_lora(base, s.lora_rank, s.lora_targets) if s.lora_rank else base
+
+
+def _with_lora(tensors: list[ParamTensor], rank: int, patterns: tuple[str, ...]) -> list[ParamTensor]:
+    """The base frozen, and after each targeted weight [..., out, in] its A [..., r, in] and B [..., out, r],
+    placed as ``models.lora`` places them: split like the base on its input dim (A) or output dim (B),
+    replicated otherwise; over experts, both."""
+    from meshtrain.models.lora import targeted
+
+    out = []
+    for t in tensors:
+        out.append(dataclasses.replace(t, trainable=False))
+        module = t.name.removesuffix(".weight")
+        if not (t.linear and targeted(module, patterns)):
+            continue
+        *lead, rows, cols = t.shape
+        out_dim, in_dim = len(t.shape) - 2, len(t.shape) - 1
+        sep = "." if t.name.endswith(".weight") else "_"
+        out += [dataclasses.replace(t, name=f"{module}{sep}lora_A", shape=(*lead, rank, cols),
+                                    tp_dim=in_dim if t.tp_dim == in_dim else None),
+                dataclasses.replace(t, name=f"{module}{sep}lora_B", shape=(*lead, rows, rank),
+                                    tp_dim=out_dim if t.tp_dim == out_dim else None)]
+    return out
+
+
+def _base_tensors(s: ModelShape) -> list[ParamTensor]:
     h, q, kv = s.hidden_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
     out = [ParamTensor("embed_tokens.weight", (s.vocab_size, h), tp_dim=0)]
     for i in range(s.num_layers):
         p = f"layers.{i}."
         out += [ParamTensor(p + "input_layernorm.weight", (h,), layer=i),
-                ParamTensor(p + "self_attn.q_proj.weight", (q, h), 0, layer=i),
-                ParamTensor(p + "self_attn.k_proj.weight", (kv, h), 0, layer=i),
-                ParamTensor(p + "self_attn.v_proj.weight", (kv, h), 0, layer=i),
-                ParamTensor(p + "self_attn.o_proj.weight", (h, q), 1, layer=i),
+                ParamTensor(p + "self_attn.q_proj.weight", (q, h), 0, layer=i, linear=True),
+                ParamTensor(p + "self_attn.k_proj.weight", (kv, h), 0, layer=i, linear=True),
+                ParamTensor(p + "self_attn.v_proj.weight", (kv, h), 0, layer=i, linear=True),
+                ParamTensor(p + "self_attn.o_proj.weight", (h, q), 1, layer=i, linear=True),
                 ParamTensor(p + "post_attention_layernorm.weight", (h,), layer=i)]
         if s.qk_norm:
             out += [ParamTensor(p + "self_attn.q_norm.weight", (s.head_dim,), layer=i),
@@ -211,27 +255,31 @@ def parameter_tensors(s: ModelShape) -> list[ParamTensor]:
         if s.is_sparse(i):
             e, ei = s.num_experts, s.expert_intermediate_size
             out += [ParamTensor(p + "mlp.gate.weight", (e, h), layer=i),
-                    ParamTensor(p + "mlp.experts.gate_proj", (e, ei, h), 1, expert=True, layer=i),
-                    ParamTensor(p + "mlp.experts.up_proj", (e, ei, h), 1, expert=True, layer=i),
-                    ParamTensor(p + "mlp.experts.down_proj", (e, h, ei), 2, expert=True, layer=i)]
+                    ParamTensor(p + "mlp.experts.gate_proj", (e, ei, h), 1, True, i, True),
+                    ParamTensor(p + "mlp.experts.up_proj", (e, ei, h), 1, True, i, True),
+                    ParamTensor(p + "mlp.experts.down_proj", (e, h, ei), 2, True, i, True)]
             if s.shared_expert_intermediate_size:
                 si = s.shared_expert_intermediate_size
                 # MoE blocks are not split by tp (each tp rank routes its own tokens): no tp_dim
-                out += [ParamTensor(p + f"mlp.shared_expert.{n}.weight", shp, layer=i) for n, shp in
+                out += [ParamTensor(p + f"mlp.shared_expert.{n}.weight", shp, layer=i, linear=True) for n, shp in
                         (("gate_proj", (si, h)), ("up_proj", (si, h)), ("down_proj", (h, si)))]
         else:
             ii = s.intermediate_size
-            out += [ParamTensor(p + "mlp.gate_proj.weight", (ii, h), 0, layer=i),
-                    ParamTensor(p + "mlp.up_proj.weight", (ii, h), 0, layer=i),
-                    ParamTensor(p + "mlp.down_proj.weight", (h, ii), 1, layer=i)]
+            out += [ParamTensor(p + "mlp.gate_proj.weight", (ii, h), 0, layer=i, linear=True),
+                    ParamTensor(p + "mlp.up_proj.weight", (ii, h), 0, layer=i, linear=True),
+                    ParamTensor(p + "mlp.down_proj.weight", (h, ii), 1, layer=i, linear=True)]
     out.append(ParamTensor("norm.weight", (h,)))
     if not s.tied:
-        out.append(ParamTensor("lm_head.weight", (s.vocab_size, h), tp_dim=0))
+        out.append(ParamTensor("lm_head.weight", (s.vocab_size, h), tp_dim=0, linear=True))
     return out
 
 
 def total_parameters(s: ModelShape) -> int:
     return sum(math.prod(t.shape) for t in parameter_tensors(s))
+
+
+def trainable_parameters(s: ModelShape) -> int:
+    return sum(math.prod(t.shape) for t in parameter_tensors(s) if t.trainable)
 
 
 def active_parameters(s: ModelShape) -> int:
@@ -248,6 +296,16 @@ def resolve(cfg: PlanConfig) -> tuple[PlanConfig, ModelShape]:
     filled = {"seq_len": t.seq_len if t else 4096, "micro_batch_size": t.micro_batch_size if t else 1,
               "precision": {"fp32": "fp32", "bf16": "bf16-mixed"}[t.mixed_precision] if t else "bf16-mixed"}
     cfg = dataclasses.replace(cfg, **{k: v for k, v in filled.items() if getattr(cfg, k) is None})
+    if cfg.lora_rank is not None:
+        if cfg.lora_rank < 0:
+            raise ConfigError(f"--lora-rank={cfg.lora_rank} must be >= 0. Fix: e.g. 16 (0 trains every weight)")
+        targets = cfg.lora_targets or shape.lora_targets or PeftConfig().targets
+        shape = dataclasses.replace(shape, lora_rank=cfg.lora_rank, lora_targets=tuple(targets))
+    elif cfg.lora_targets:
+        raise ConfigError("--lora-targets is given without --lora-rank. Fix: add e.g. --lora-rank 16")
+    if shape.lora_rank and not trainable_parameters(shape):
+        raise ConfigError(f"LoRA targets {list(shape.lora_targets)} match no linear layer of the model. Fix: use "
+                          "module-name wildcards such as '*.q_proj', '*.mlp.*_proj' or '*.experts'")
     return cfg, shape
 
 

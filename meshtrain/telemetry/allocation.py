@@ -48,7 +48,7 @@ def measure_training_state(trainer) -> dict:
     seen: dict = {}
     with _recording_grads(trainer.optimizers, seen):
         trainer.train_step()
-    params = [_local(p) for p in trainer.params]
+    params = [_local(p) for part in trainer.parts for p in part.parameters()]  # frozen ones (LoRA's base) too
     states = [_local(v) for opt in trainer.optimizers for state in opt.state.values()
               for v in state.values() if isinstance(v, torch.Tensor)]
     return {"param_elements": sum(p.numel() for p in params), "param_bytes": _nbytes(params),
