@@ -328,7 +328,9 @@ class ProfilingConfig:
 class PeftConfig:
     """Parameter-efficient fine-tuning: LoRA adapters on chosen linears, everything else frozen."""
 
-    method: Literal["none", "lora"] = "none"
+    method: Literal["none", "lora", "dora"] = "none"
+    """lora: W x + (alpha / rank) B A x. dora: LoRA with weight decomposition (DoRA, Liu et al. 2024, as
+    PEFT's use_dora): each output row of W + (alpha / rank) B A is rescaled to a trained magnitude."""
     rank: int = 16
     alpha: float = 32.0
     """The update is (alpha / rank) B A x."""
@@ -340,6 +342,10 @@ class PeftConfig:
     export_adapter: str | None = None
     """At the end, write the adapters here as a PEFT adapter directory (peft.PeftModel loads it onto
     the base model). checkpoint.export_hf then writes the merged model."""
+
+    @property
+    def adapters(self) -> bool:
+        return self.method != "none"
 
 
 @dataclass

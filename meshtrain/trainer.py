@@ -34,7 +34,7 @@ from meshtrain.hf.peft import save_peft_adapter
 from meshtrain.hf.io import check_finite, export_dtypes, load_hf_weights, save_hf, tokenizer_files
 from meshtrain.models.float8 import precompute_fsdp_scales
 from meshtrain.models.documents import document_ids
-from meshtrain.models.lora import merge_lora
+from meshtrain.models.lora import init_dora_magnitudes, merge_lora
 from meshtrain.models.moe import MoE
 from meshtrain.models.transformer import count_active_parameters, count_parameters
 from meshtrain.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
@@ -88,6 +88,8 @@ class Trainer:
         if cfg.model.init_from_hf is not None:
             load_hf_weights(self.parts, cfg.model.init_from_hf)
             check_finite(self.parts, cfg.model.init_from_hf)
+            for part in self.parts:  # DoRA's magnitudes are the loaded weights' row norms
+                init_dora_magnitudes(part)
         self.checkpointer, self.resumed_from = self._restore_checkpoint()
         self.moe_layers, self.tp_summed_params = self._setup_moe()
         self.loss_parallel = mesh.size("tp") > 1 and cfg.parallel.loss_parallel

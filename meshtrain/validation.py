@@ -102,8 +102,8 @@ def check_ranges(cfg: JobConfig) -> None:
         value = _value(cfg, field)
         if not holds(value):
             raise ConfigError(f"{field}={value} {words}. Fix: {fix}")
-    if cfg.peft.method == "lora" and cfg.train.float8:
-        raise ConfigError("peft.method=lora with train.float8=true is not supported: the adapters would replace "
+    if cfg.peft.adapters and cfg.train.float8:
+        raise ConfigError(f"peft.method={cfg.peft.method} with train.float8=true is not supported: the adapters would replace "
                           "the float8 linears' forward. Fix: set train.float8=false")
     e = cfg.eval
     if e.interval and not e.data and not e.split:

@@ -32,10 +32,10 @@ def reference_run(cfg: JobConfig) -> dict:
         return document_ids(x, eos) if eos is not None else None
     if t.float8:
         convert_to_float8(model, emulate=t.float8_emulate)
-    if cfg.peft.method == "lora":
+    if cfg.peft.adapters:
         add_lora(model, cfg.peft)
     init_weights(model, t.seed)
-    if cfg.peft.method == "lora":
+    if cfg.peft.adapters:
         init_lora(model, t.seed)
     dataset, _ = training_dataset(cfg.data, t.seq_len, t.seed, cfg.model.vocab_size)
     stream = BatchStream(dataset, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size, dp_size=1,

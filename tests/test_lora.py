@@ -51,6 +51,9 @@ def test_targets_that_match_nothing_or_split_the_fused_gate_up_pair_for_peft_are
     check_lora(PeftConfig(method="lora", targets=["*.experts.up_proj"]), moe)  # fine without a PEFT export
     with pytest.raises(ConfigError, match=r"adapt the experts' \{'up_proj'\} without the other.*Fix: target both"):
         check_lora(PeftConfig(method="lora", targets=["*.experts.up_proj"], export_adapter="out"), moe)
+    with pytest.raises(ConfigError, match=r"peft.method=dora .* stacked experts \(layers.0.mlp.experts.gate_proj"):
+        check_lora(PeftConfig(method="dora"), moe)  # the default targets include the experts
+    check_lora(PeftConfig(method="dora", targets=["*.self_attn.*"]), moe)
 
 
 LORA = ("--peft.method", "lora", "--peft.rank", "4", "--peft.alpha", "8", "--optimizer.lr", "3e-3")
@@ -62,8 +65,11 @@ LAYOUTS = {  # name: (ranks, layout, extra)
     "moe-ep2": (2, ["--parallel.ep", "2"], MOE_ARGS + ("--peft.targets", "*.q_proj", "*.o_proj", "*.experts")),
     "moe-tp2-sp-etp2": (2, ["--parallel.tp", "2", "--parallel.sp", "True", "--parallel.etp", "2"],
                         MOE_ARGS + ("--peft.targets", "*.q_proj", "*.o_proj", "*.experts")),
+    # DoRA: row norms of column-parallel (local rows) and row-parallel (summed over tp) weights
+    "dora-tp2-sp": (2, ["--parallel.tp", "2", "--parallel.sp", "True"], ("--peft.method", "dora")),
 }
-JOBS = {name: train_job(f"lora/{name}", nproc, layout, LORA + extra) for name, (nproc, layout, extra) in LAYOUTS.items()}
+JOBS = {name: train_job(f"lora/{name}", nproc, layout, LORA + extra)
+        for name, (nproc, layout, extra) in LAYOUTS.items()}
 
 
 @pytest.mark.slow
@@ -77,6 +83,8 @@ def test_lora_layouts_equal_single_rank(batches, name):
     frozen = [n for n in ref["state"] if not n.endswith(("lora_A", "lora_B"))]
     assert all(torch.equal(ref["state"][n], got["state"][n]) for n in frozen if "norm" in n)  # untouched
     assert ref["losses"][-1] != full["losses"][-1]
+    if name.startswith("dora"):
+        assert sum(n.endswith("lora_magnitude") for n in ref["state"]) == 14
     if name.startswith("moe"):  # the expert adapters trained too (B starts at zero)
         expert_b = [n for n in ref["state"] if n.endswith("experts.down_proj_lora_B")]
         assert expert_b and all(ref["state"][n].abs().max() > 0 for n in expert_b)
@@ -84,13 +92,11 @@ def test_lora_layouts_equal_single_rank(batches, name):
         assert got["trainable_elements"] == 4096 and got["optimizer_bytes"] == 2 * 4 * 4096
 
 
-def lora_job(tmp_path, name: str, nproc: int, *args: str):
-    import json
-
+def lora_job(tmp_path, name: str, nproc: int, *args: str, model=None):
     from tests.conftest import torchrun
 
     out = tmp_path / name
-    proc = torchrun(nproc, ["-m", "meshtrain", "train", "--model.init-from-hf", str(tmp_path / "model"),
+    proc = torchrun(nproc, ["-m", "meshtrain", "train", "--model.init-from-hf", str(model or tmp_path / "model"),
                             *LORA, "--train.steps", "4", "--train.global-batch-size", "4", "--train.micro-batch-size",
                             "2", "--train.seq-len", "32", "--train.run-dir", str(out), "--logging.progress", "off",
                             "--logging.jsonl", "True", *args])
@@ -113,6 +119,34 @@ def test_lora_checkpoints_hold_the_adapters_only_and_resume_exactly(tmp_path):
     assert len(weights) == 28 and all(k.endswith(("lora_A", "lora_B")) for k in weights)  # no base weight
     _, rest = lora_job(tmp_path, "resumed", 2, "--parallel.dp-shard", "2", "--checkpoint.interval", "2")
     assert [r["loss"] for r in first + rest if r["step"] > 2] == [r["loss"] for r in whole if r["step"] > 2]
+    # DoRA starts as the loaded model too: its magnitudes are the loaded weights' row norms
+    _, dora = lora_job(tmp_path, "dora", 2, "--parallel.dp-shard", "2", "--peft.method", "dora", "--train.steps", "1")
+    assert dora[0]["loss"] == pytest.approx(whole[0]["loss"], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_moe_lora_under_ep2_exports_a_peft_adapter_and_a_merged_model_with_equal_logits(tmp_path):
+    """A Qwen3-MoE from transformers, LoRA on q_proj and every expert, trained with the experts split
+    over ep2: the gathered per-expert adapters load in peft and the merged export in transformers,
+    with the same logits."""
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    from tests.test_moe import hf_dir
+
+    base, directory = hf_dir(tmp_path, "qwen3_moe", vocab_size=384)
+    out = tmp_path / "moe"
+    proc, _ = lora_job(tmp_path, "moe", 2, "--parallel.ep", "2", "--peft.targets", "*.q_proj", "*.experts",
+                       "--peft.export-adapter", str(out / "adapter"), "--checkpoint.export-hf", str(out / "merged"),
+                       "--train.steps", "2", model=directory)
+    assert "(9 LoRA adapters merged into their weights)" in proc.stdout  # 3 q_proj + 2 MoE layers x 3 projections
+    x = torch.randint(0, 384, (2, 24))
+    with torch.no_grad():
+        plain = base(x).logits
+        merged = transformers.AutoModelForCausalLM.from_pretrained(str(out / "merged"))(x).logits
+        adapted = peft.PeftModel.from_pretrained(base, str(out / "adapter"))(x).logits
+    torch.testing.assert_close(adapted, merged, rtol=1e-4, atol=1e-5)
+    assert (merged - plain).abs().max() > 1e-4
 
 
 @pytest.mark.slow
@@ -210,4 +244,43 @@ def test_expert_adapters_load_in_peft_and_merge_into_a_transformers_model(tmp_pa
         from_merged = transformers.AutoModelForCausalLM.from_pretrained(str(out))(tokens).logits
     torch.testing.assert_close(from_peft, adapted, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(from_merged, adapted, rtol=1e-4, atol=1e-5)
+    assert (adapted - plain).abs().max() > 1e-2
+
+
+def test_dora_starts_as_the_base_model_and_gives_peft_s_logits_merged_or_not(tmp_path):
+    """DoRA on a Llama imported from transformers: at init the base model's logits; trained (B and
+    the magnitudes moved) the PEFT adapter (use_dora) on the HF model and the merged weights give
+    meshtrain's logits."""
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    from meshtrain.hf.peft import save_peft_adapter
+    from meshtrain.models.lora import DoRALinear, merge_lora
+    from tests.hf_models import write_hf_dir
+    from tests.test_moe import meshtrain_from
+
+    directory = write_hf_dir(tmp_path / "model", shard=None)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(directory)).eval()
+    ours = meshtrain_from(directory)
+    dora = PeftConfig(method="dora", rank=4, alpha=8, targets=["*.q_proj", "*.o_proj", "*.down_proj"])
+    assert len(add_lora(ours, dora)) == 6 and isinstance(ours.layers["0"].self_attn.o_proj, DoRALinear)
+    init_lora(ours, 0)
+    tokens = torch.randint(0, 384, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        plain = hf(tokens).logits
+        torch.testing.assert_close(ours(tokens), plain, rtol=1e-5, atol=1e-5)
+        for name, p in ours.named_parameters():
+            if name.endswith("lora_B"):
+                p.normal_(0, 0.2)
+            if name.endswith("lora_magnitude"):
+                p.mul_(1 + 0.1 * torch.randn_like(p))
+        adapted = ours(tokens)
+    adapter = save_peft_adapter([ours], str(tmp_path / "adapter"), dora, ours.cfg, str(directory), torch.float32)
+    assert json.loads((adapter / "adapter_config.json").read_text())["use_dora"] is True
+    with torch.no_grad():
+        from_peft = peft.PeftModel.from_pretrained(hf, str(adapter))(tokens).logits
+        assert merge_lora(ours) == 6
+        merged = ours(tokens)
+    torch.testing.assert_close(from_peft, adapted, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(merged, adapted, rtol=1e-4, atol=1e-5)
     assert (adapted - plain).abs().max() > 1e-2

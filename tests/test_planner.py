@@ -253,7 +253,9 @@ def test_lora_plans_gradients_and_optimizer_state_for_the_adapters_only(capsys):
     assert lora.grads == lora.trained * 4 and lora.optimizer == lora.trained * 8 < full.optimizer / 50
     main(["plan", "--model", str(ROOT / "configs" / "lora_chat.yaml"), "--gpus", "2"])
     assert "LoRA rank 16 on *.q_proj" in capsys.readouterr().out  # the YAML's peft section
-    with pytest.raises(ConfigError, match="--lora-targets is given without --lora-rank"):
+    _, dora = resolve(PlanConfig(params="8b", lora_rank=16, dora=True))
+    assert trainable_parameters(dora) - trainable_parameters(s) == 32 * (2 * 4096 + 2 * 1024 + 2 * 14336 + 4096)  # rows
+    with pytest.raises(ConfigError, match="--lora-targets or --dora is given without --lora-rank"):
         resolve(PlanConfig(params="8b", lora_targets=["*.q_proj"]))
     with pytest.raises(ConfigError, match=r"LoRA targets \['\*.qproj'\] match no linear layer"):
         resolve(PlanConfig(params="8b", lora_rank=8, lora_targets=["*.qproj"]))
@@ -270,7 +272,8 @@ LAYOUTS = {
         # LoRA: the base frozen (weights only), the adapters placed like their base (here on experts split by etp)
         ("lora_moe_tp2_sp_etp2", {"model": {"family": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 32},
                                   "parallel": {"tp": 2, "sp": True, "etp": 2},
-                                  "peft": {"method": "lora", "rank": 4, "targets": ["*.q_proj", "*.o_proj", "*.experts"]}})],
+                                  "peft": {"method": "lora", "rank": 4,
+                                           "targets": ["*.q_proj", "*.o_proj", "*.experts"]}})],
     4: [("dp4", {"train": {"micro_batch_size": 1}}),
         ("tp2_dp2", {"parallel": {"tp": 2, "sp": True}}),
         ("tp2_dp2_qwen3_bf16", {"model": {"family": "qwen3"}, "parallel": {"tp": 2},
@@ -289,7 +292,7 @@ LAYOUTS = {
         ("moe_ep2_edp2_uneven", {"model": {"family": "qwen3_moe", "num_experts": 2, "num_experts_per_tok": 1,
                                            "moe_intermediate_size": 32},
                                  "parallel": {"ep": 2}, "train": {"micro_batch_size": 1}}),
-        ("lora_pp2_dp2", {"parallel": {"pp": 2}, "peft": {"method": "lora", "rank": 4}}),
+        ("dora_pp2_dp2", {"parallel": {"pp": 2}, "peft": {"method": "dora", "rank": 4}}),
         ("lora_moe_ep2_edp2", {"model": {"family": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 32},
                                "parallel": {"ep": 2}, "train": {"micro_batch_size": 1},
                                "peft": {"method": "lora", "rank": 4, "targets": ["*.v_proj", "*.experts"]}})],

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from meshtrain.config import ModelConfig, PeftConfig
 from meshtrain.hf.adapter import to_hf, to_hf_name
 from meshtrain.hf.io import INCOMPLETE, check_export_target
-from meshtrain.models.lora import adapter_tensors
+from meshtrain.models.lora import MAGNITUDE, adapter_tensors
 
 
 def peft_tensors(name: str, adapter: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -29,10 +29,14 @@ def peft_tensors(name: str, adapter: torch.Tensor, cfg: ModelConfig) -> dict[str
     ``layers.0.mlp.experts.gate_proj_lora_A`` [E, r, in] -> ``...mlp.experts.{e}.gate_proj.lora_A.weight`` [r, in]
     for each expert e (the base weight's HF names, through the same mapping)."""
     owner, _, leaf = name.rpartition(".")
-    kind = leaf[-len("lora_A"):]  # lora_A or lora_B
-    weight = f"{owner}.weight" if leaf == kind else f"{owner}.{leaf.removesuffix('_' + kind)}"
+    if leaf == MAGNITUDE:  # DoRA's, PEFT's only tensor without ".weight"
+        weight, suffix = f"{owner}.weight", "lora_magnitude_vector"
+    else:
+        kind = leaf[-len("lora_A"):]  # lora_A or lora_B
+        weight = f"{owner}.weight" if leaf == kind else f"{owner}.{leaf.removesuffix('_' + kind)}"
+        suffix = f"{kind}.weight"
     hf = to_hf({weight: adapter}, cfg) or {to_hf_name(weight): adapter}  # a tied output head has no HF weight
-    return {f"base_model.model.{key.removesuffix('.weight')}.{kind}.weight": value for key, value in hf.items()}
+    return {f"base_model.model.{key.removesuffix('.weight')}.{suffix}": value for key, value in hf.items()}
 
 
 def save_peft_adapter(parts: list[torch.nn.Module], directory: str, cfg: PeftConfig, model_cfg: ModelConfig,
@@ -49,7 +53,7 @@ def save_peft_adapter(parts: list[torch.nn.Module], directory: str, cfg: PeftCon
     if not dist.is_initialized() or dist.get_rank() == 0:
         tensors = {key: t.to(dtype, copy=True) for part in every for n, adapter in part.items()
                    for key, t in peft_tensors(n, adapter, model_cfg).items()}
-        modules = sorted({key.rsplit(".", 3)[-3] for key in tensors})
+        modules = sorted({key.rsplit(".", 3)[-3] for key in tensors if key.endswith(".lora_A.weight")})
         tmp = out.with_name(out.name + INCOMPLETE)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -57,6 +61,7 @@ def save_peft_adapter(parts: list[torch.nn.Module], directory: str, cfg: PeftCon
         (tmp / "adapter_config.json").write_text(json.dumps({
             "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
             "lora_dropout": cfg.dropout, "target_modules": modules, "bias": "none", "fan_in_fan_out": False,
+            "use_dora": cfg.method == "dora",
             "base_model_name_or_path": os.path.abspath(base) if base else None, "inference_mode": True,
         }, indent=2) + "\n")
         if out.exists():

@@ -12,6 +12,9 @@ replicated, so B A x is a partial sum that joins W x's before the reduction; whe
 experts, both are. FSDP then shards them like any parameter; the frozen base needs no gradient and
 no optimizer state. A starts as nn.Linear's default (uniform, bound 1/sqrt(in)), B at zero, each
 from a generator seeded by (seed, name), so every layout starts from the same adapters.
+
+DoRA (``peft.method dora``, ``DoRALinear``) adds a trained magnitude per output row of a linear,
+starting at the row norms of its weight (so after the base weights are loaded).
 """
 
 from __future__ import annotations
@@ -32,10 +35,11 @@ from meshtrain.models.initialize import copy_full_into
 from meshtrain.models.moe import ExpertGroups, Experts, local
 
 ADAPTERS = ("lora_A", "lora_B")
+MAGNITUDE = "lora_magnitude"
 
 
 def is_adapter(name: str) -> bool:
-    return name.endswith(ADAPTERS)
+    return name.endswith(ADAPTERS + (MAGNITUDE,))
 
 
 class LoRALinear(nn.Linear):
@@ -48,7 +52,31 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         update = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
-        return F.linear(x, self.weight, self.bias) + F.linear(F.linear(update, self.lora_A), self.lora_B) * self.lora_scale
+        lora = F.linear(F.linear(update, self.lora_A), self.lora_B)
+        return F.linear(x, self.weight, self.bias) + lora * self.lora_scale
+
+
+class DoRALinear(LoRALinear):
+    """LoRA with weight decomposition (``peft.method dora``): the adapted weight W' = W + s B A, each
+    of its output rows rescaled to a trained magnitude m: y = (m / ||W'||_row) (x W^T + s x A^T B^T),
+    written as PEFT's DoRA writes it, x W^T + (g - 1) x_d W^T + g s x_d A^T B^T with g = m / ||W'||_row
+    and x_d the adapters' (dropped-out) input. The row norms are a constant to autograd (the DoRA
+    paper's section 4.3). Under tensor parallelism m is split like W's rows or replicated, and DTensor
+    sums a row-parallel W's squared norms over tp."""
+
+    lora_magnitude: nn.Parameter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        update = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
+        base = F.linear(x, self.weight)
+        plain = base if update is x else F.linear(update, self.weight)
+        gain = self.lora_magnitude / self.row_norms()
+        out = base + (gain - 1) * plain + gain * F.linear(F.linear(update, self.lora_A), self.lora_B) * self.lora_scale
+        return out if self.bias is None else out + self.bias
+
+    def row_norms(self) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.linalg.vector_norm(self.weight + self.lora_scale * (self.lora_B @ self.lora_A), dim=1)
 
 
 class LoRAExperts(Experts):
@@ -117,11 +145,12 @@ def lora_targets(model: nn.Module, patterns: list[str]) -> list[str]:
     return names
 
 
-def _adapter_pair(weight: torch.Tensor, rank: int) -> tuple[nn.Parameter, nn.Parameter]:
-    """Empty A [..., r, in] and B [..., out, r] for a weight [..., out, in], placed to follow it."""
+def _adapters_for(weight: torch.Tensor, rank: int, magnitude: bool = False) -> list[nn.Parameter]:
+    """Empty A [..., r, in], B [..., out, r] (and DoRA's magnitude [..., out]) for a weight [..., out, in],
+    placed to follow it."""
     *lead, out_features, in_features = weight.shape
-    shapes = ((*lead, rank, in_features), (*lead, out_features, rank))
-    pair = [torch.empty(shape, device=weight.device, dtype=weight.dtype) for shape in shapes]
+    shapes = [(*lead, rank, in_features), (*lead, out_features, rank)] + ([(*lead, out_features)] if magnitude else [])
+    made = [torch.empty(shape, device=weight.device, dtype=weight.dtype) for shape in shapes]
     if isinstance(weight, DTensor):
         a_place, b_place = [], []
         for placement in weight.placements:
@@ -131,8 +160,9 @@ def _adapter_pair(weight: torch.Tensor, rank: int) -> tuple[nn.Parameter, nn.Par
                 a_place.append(placement), b_place.append(Replicate())
             else:  # replicated, or split over experts
                 a_place.append(placement), b_place.append(placement)
-        pair = [distribute_tensor(t, weight.device_mesh, p, src_data_rank=None) for t, p in zip(pair, (a_place, b_place))]
-    return nn.Parameter(pair[0]), nn.Parameter(pair[1])
+        placements = (a_place, b_place, b_place)  # the magnitude's rows are B's
+        made = [distribute_tensor(t, weight.device_mesh, p, src_data_rank=None) for t, p in zip(made, placements)]
+    return [nn.Parameter(t) for t in made]
 
 
 def add_lora(model: nn.Module, cfg: PeftConfig) -> list[str]:
@@ -144,10 +174,13 @@ def add_lora(model: nn.Module, cfg: PeftConfig) -> list[str]:
         module = model.get_submodule(owner)
         if not isinstance(module, Experts):
             module = model.get_submodule(name)
-            module.lora_A, module.lora_B = _adapter_pair(module.weight, cfg.rank)
-            module.__class__ = LoRALinear
+            dora = cfg.method == "dora"
+            module.lora_A, module.lora_B, *magnitude = _adapters_for(module.weight, cfg.rank, dora)
+            if dora:
+                module.lora_magnitude = magnitude[0]
+            module.__class__ = DoRALinear if dora else LoRALinear
         else:
-            a, b = _adapter_pair(getattr(module, projection), cfg.rank)
+            a, b = _adapters_for(getattr(module, projection), cfg.rank)
             module.register_parameter(f"{projection}_lora_A", a)
             module.register_parameter(f"{projection}_lora_B", b)
             module.lora_projections = getattr(module, "lora_projections", ()) + (projection,)
@@ -160,6 +193,7 @@ def add_lora(model: nn.Module, cfg: PeftConfig) -> list[str]:
 
 @torch.no_grad()
 def init_lora(model: nn.Module, seed: int) -> None:
+    """A and B as the module docstring says, then DoRA's magnitudes from the weights as they are."""
     for name, param in model.named_parameters():
         if name.endswith("lora_A"):
             gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
@@ -170,18 +204,41 @@ def init_lora(model: nn.Module, seed: int) -> None:
         else:
             continue
         copy_full_into(param, full.to(device=param.device, dtype=param.dtype))
+    init_dora_magnitudes(model)
+
+
+@torch.no_grad()
+def init_dora_magnitudes(model: nn.Module) -> None:
+    """m = ||W + s B A||_row, so that DoRA starts as the base model; again after the base weights
+    are loaded (every rank calls it: the full weights are gathered, one at a time)."""
+    for module in model.modules():
+        if isinstance(module, DoRALinear):
+            magnitude = module.lora_magnitude
+            norms = torch.linalg.vector_norm(_adapted_weight(module), dim=1)
+            copy_full_into(magnitude, norms.to(magnitude.device, magnitude.dtype))
+
+
+def _adapted_weight(module: DoRALinear) -> torch.Tensor:
+    """W + s B A, whole, in fp32."""
+    a, b = _full(module.lora_A).float(), _full(module.lora_B).float()
+    return _full(module.weight).float() + module.lora_scale * (b @ a)
 
 
 def check_lora(cfg: PeftConfig, model: nn.Module) -> None:
     """Refuse targets that match nothing, and expert gate/up adapters apart when a PEFT adapter is
     to be exported (transformers 5 fuses them into one gate_up_proj, and peft refuses one alone)."""
-    if cfg.method != "lora":
+    if not cfg.adapters:
         return
     targets = lora_targets(model, cfg.targets)
     if not targets:
         raise ConfigError(f"peft.targets={cfg.targets} match no linear layer. Fix: use module-name wildcards such as "
                           "'*.q_proj', '*.mlp.*_proj' or '*.experts'")
     experts = {t.rsplit(".", 1)[-1] for t in targets if t.rsplit(".", 2)[-2] == "experts"}
+    if cfg.method == "dora" and experts:
+        first = next(t for t in targets if t.rsplit(".", 2)[-2] == "experts")
+        raise ConfigError(f"peft.method=dora with peft.targets={cfg.targets}, which match the stacked experts "
+                          f"({first}): DoRA is not supported on experts (nor is it in peft's fused-expert LoRA). Fix: target the "
+                          "attention and dense projections only (e.g. '*.self_attn.*'), or use peft.method=lora")
     if cfg.export_adapter and len(experts & {"gate_proj", "up_proj"}) == 1:
         raise ConfigError(f"peft.targets={cfg.targets} adapt the experts' {experts & {'gate_proj', 'up_proj'}} "
                           "without the other, but peft.export_adapter is set and peft loads expert adapters onto "
@@ -196,6 +253,15 @@ def merge_lora(model: nn.Module) -> int:
     many weights took an update. Every rank calls it (the full adapters are gathered)."""
     merged = 0
     for module in model.modules():
+        if isinstance(module, DoRALinear):  # W' = (m / ||W + s B A||_row) (W + s B A)
+            adapted = _adapted_weight(module)
+            gain = _full(module.lora_magnitude).float() / torch.linalg.vector_norm(adapted, dim=1)
+            _add_full(module.weight, gain[:, None] * adapted - _full(module.weight).float())
+            for name in ADAPTERS + (MAGNITUDE,):
+                delattr(module, name)
+            module.__class__ = nn.Linear
+            merged += 1
+            continue
         if isinstance(module, LoRALinear):
             pairs, plain = {"weight": ("lora_A", "lora_B")}, nn.Linear
         elif isinstance(module, LoRAExperts):

@@ -45,7 +45,7 @@ def build_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device, stage:
         for module in model.modules():
             if isinstance(module, MoE):
                 parallelize_module(module.experts, mesh.expert_grid, ExpertParallel())
-    if cfg.peft.method == "lora":  # after EP, which makes the experts' parameters anew (trainable)
+    if cfg.peft.adapters:  # after EP, which makes the experts' parameters anew (trainable)
         check_lora(cfg.peft, model)
         add_lora(model, cfg.peft)
     if cfg.train.compile:
@@ -58,7 +58,7 @@ def build_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device, stage:
     model.tie_weights()
     if initialize:
         init_weights(model, cfg.train.seed)
-    if cfg.peft.method == "lora":  # not in a Hugging Face checkpoint: initialised either way
+    if cfg.peft.adapters:  # not in a Hugging Face checkpoint: initialised either way
         init_lora(model, cfg.train.seed)
     return model
 

@@ -53,6 +53,8 @@ class PlanConfig:
     lora_rank: int | None = None
     """Plan a LoRA fine-tune: adapters of this rank train, the base weights are frozen (no gradients,
     no optimizer state). Default: a meshtrain YAML's peft section; 0 trains every weight."""
+    dora: bool = False
+    """With --lora-rank: DoRA (a trained magnitude per output row of each adapted layer besides A and B)."""
     lora_targets: list[str] | None = None
     """With --lora-rank: the modules (wildcards) that get adapters. Default: the YAML's peft.targets,
     else meshtrain's default (attention and MLP projections, the experts' included)."""

@@ -72,9 +72,11 @@ def report(plan: Plan, cfg: PlanConfig) -> str:
     if not fsdp:
         lines.append("  (dp*cp = 1: nothing for FSDP to shard)")
     if s.lora_rank:
-        lines.append(f"  LoRA rank {s.lora_rank} on {', '.join(s.lora_targets)}: {format_count(trainable_parameters(s))} "
-                     f"of the parameters train ({trainable_parameters(s) / params:.2%}); gradients and optimizer state "
-                     f"are the adapters' only ({format_count(m.trained)} on this rank), the frozen base keeps its weights")
+        trainable = trainable_parameters(s)
+        lines.append(f"  {'DoRA' if s.lora_magnitudes else 'LoRA'} rank {s.lora_rank} on {', '.join(s.lora_targets)}: "
+                     f"{format_count(trainable)} of the parameters train ({trainable / params:.2%}); gradients and "
+                     f"optimizer state are the adapters' only ({format_count(m.trained)} on this rank), the frozen base "
+                     "keeps its weights")
     naive = single.total / (z.tp * z.pp)
     lines.append(f"  no-parallelism total / (tp*pp) = {naive / scale:.2f} {unit}: the naive split; this layout differs by "
                  f"the {m.in_flight:g} micro-batch(es) in flight on that rank, by the embedding or head it holds, "

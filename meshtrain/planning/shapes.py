@@ -42,6 +42,8 @@ class ModelShape:
     """LoRA fine-tuning: adapters of this rank on ``lora_targets`` train, every other weight is frozen
     (0: every weight trains)."""
     lora_targets: tuple[str, ...] = ()
+    lora_magnitudes: bool = False
+    """DoRA: a trained magnitude per output row of each adapted linear, besides A and B."""
 
     @property
     def is_moe(self) -> bool:
@@ -186,8 +188,9 @@ def resolve_shape(cfg: PlanConfig) -> tuple[ModelShape, JobConfig | None]:
 def shape_from_job(job: JobConfig, name: str) -> ModelShape:
     """A meshtrain job's model, with its LoRA adapters when it fine-tunes with LoRA."""
     shape = shape_from_model_config(job.model, name)
-    if job.peft.method == "lora":
-        shape = dataclasses.replace(shape, lora_rank=job.peft.rank, lora_targets=tuple(job.peft.targets))
+    if job.peft.adapters:
+        shape = dataclasses.replace(shape, lora_rank=job.peft.rank, lora_targets=tuple(job.peft.targets),
+                                    lora_magnitudes=job.peft.method == "dora")
     return shape
 
 
@@ -213,13 +216,13 @@ def parameter_tensors(s: ModelShape) -> list[ParamTensor]:
     """Every parameter, named and placed as ``models.transformer.Transformer`` and ``parallel.tensor``
     do, and with LoRA the adapters (``models.lora``)."""
     base = _base_tensors(s)
-    return _with_lora(base, s.lora_rank, s.lora_targets) if s.lora_rank else base
+    return _with_lora(base, s.lora_rank, s.lora_targets, s.lora_magnitudes) if s.lora_rank else base
 
 
-def _with_lora(tensors: list[ParamTensor], rank: int, patterns: tuple[str, ...]) -> list[ParamTensor]:
-    """The base frozen, and after each targeted weight [..., out, in] its A [..., r, in] and B [..., out, r],
-    placed as ``models.lora`` places them: split like the base on its input dim (A) or output dim (B),
-    replicated otherwise; over experts, both."""
+def _with_lora(tensors: list[ParamTensor], rank: int, patterns: tuple[str, ...], magnitudes: bool) -> list[ParamTensor]:
+    """The base frozen, and after each targeted weight [..., out, in] its A [..., r, in] and B [..., out, r]
+    (and DoRA's magnitude [out]), placed as ``models.lora`` places them: split like the base on its
+    input dim (A) or output dim (B and the magnitude), replicated otherwise; over experts, both."""
     from meshtrain.models.lora import targeted
 
     out = []
@@ -235,6 +238,9 @@ def _with_lora(tensors: list[ParamTensor], rank: int, patterns: tuple[str, ...])
                                     tp_dim=in_dim if t.tp_dim == in_dim else None),
                 dataclasses.replace(t, name=f"{module}{sep}lora_B", shape=(*lead, rows, rank),
                                     tp_dim=out_dim if t.tp_dim == out_dim else None)]
+        if magnitudes and not t.expert:  # DoRA is refused on experts (see resolve)
+            out.append(dataclasses.replace(t, name=f"{module}.lora_magnitude", shape=(rows,),
+                                           tp_dim=0 if t.tp_dim == 0 else None))
     return out
 
 
@@ -300,9 +306,14 @@ def resolve(cfg: PlanConfig) -> tuple[PlanConfig, ModelShape]:
         if cfg.lora_rank < 0:
             raise ConfigError(f"--lora-rank={cfg.lora_rank} must be >= 0. Fix: e.g. 16 (0 trains every weight)")
         targets = cfg.lora_targets or shape.lora_targets or PeftConfig().targets
-        shape = dataclasses.replace(shape, lora_rank=cfg.lora_rank, lora_targets=tuple(targets))
-    elif cfg.lora_targets:
-        raise ConfigError("--lora-targets is given without --lora-rank. Fix: add e.g. --lora-rank 16")
+        shape = dataclasses.replace(shape, lora_rank=cfg.lora_rank, lora_targets=tuple(targets),
+                                    lora_magnitudes=cfg.dora or shape.lora_magnitudes)
+    elif cfg.lora_targets or cfg.dora:
+        raise ConfigError("--lora-targets or --dora is given without --lora-rank. Fix: add e.g. --lora-rank 16")
+    if shape.lora_magnitudes and any(t.expert and t.trainable for t in parameter_tensors(shape)):
+        raise ConfigError(f"DoRA with LoRA targets {list(shape.lora_targets)}, which match the stacked experts: "
+                          "DoRA is not supported on experts. Fix: target the attention and dense projections only (e.g. "
+                          "'*.self_attn.*'), or plan LoRA")
     if shape.lora_rank and not trainable_parameters(shape):
         raise ConfigError(f"LoRA targets {list(shape.lora_targets)} match no linear layer of the model. Fix: use "
                           "module-name wildcards such as '*.q_proj', '*.mlp.*_proj' or '*.experts'")
