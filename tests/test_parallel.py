@@ -19,7 +19,12 @@ from tests.reference import reference_run
 pytestmark = pytest.mark.slow
 
 LOSS_RTOL = 1e-5
-WEIGHT_ATOL = 2e-5
+WEIGHT_ATOL = 1e-4
+"""AdamW moves each element by lr x m / sqrt(v): where an element's gradients are near-cancelling
+sums, a reduction-order difference of ~1e-7 in them changes that ratio visibly. Measured outliers,
+one element in thousands: up to 4.2e-5 on a Xeon runner (qwen3 tp2 down_proj, LoRA dp2 at lr 1e-2),
+under 2e-5 on the one before; every other element, and the losses and grad norms (1e-5), agree
+much closer. 1e-4 is 3% of one step's largest move at lr 3e-3."""
 WEIGHT_RTOL = 1e-4
 
 TINY = tiny_args()
