@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from typing import Callable, NoReturn
 
 import tyro
@@ -17,6 +18,9 @@ import tyro
 from meshtrain.config import JobConfig
 from meshtrain.config_files import load_yaml
 from meshtrain.errors import MeshtrainError
+
+# Seconds a rank other than local rank 0 waits before printing a config error (see ``main``).
+QUIET_RANK_GRACE_S = 5.0
 
 
 def parse(cls: type, argv: list[str], prog: str):
@@ -86,9 +90,13 @@ def main(argv: list[str] | None = None) -> None:
         SUBCOMMANDS[name][0](rest)
     except MeshtrainError as e:
         rank = os.environ.get("RANK")
-        if os.environ.get("LOCAL_RANK", "0") == "0" or getattr(e, "every_rank", False):
-            prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
-            print(f"meshtrain: error: {prefix}{e}", file=sys.stderr, flush=True)
+        if os.environ.get("LOCAL_RANK", "0") != "0" and not getattr(e, "every_rank", False):
+            # Every rank raises a config error, and the launcher stops the others when the first one
+            # exits: this rank gives local rank 0 time to print the error once, and prints it itself
+            # only if it is still running then (rank 0 did not fail the same way).
+            time.sleep(QUIET_RANK_GRACE_S)
+        prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+        print(f"meshtrain: error: {prefix}{e}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 
