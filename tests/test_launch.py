@@ -108,31 +108,6 @@ def pid_of_rank(rank: int, run_id: str) -> int | None:
     return None
 
 
-def test_a_hung_rank_ends_the_job_within_the_timeout_with_a_message(tmp_path):
-    timeout_s = 15
-    run_id = f"hang-{os.getpid()}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "meshtrain", "train", *tiny_args(), "--train.steps", "100000",
-           "--logging.progress", "off", "--parallel.timeout-s", str(timeout_s), "--train.run-dir", str(tmp_path)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(HANG_TEST_ID=run_id), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        for _ in range(600):  # wait until training runs
-            line = proc.stdout.readline()
-            if line.split()[:2] == ["step", "2/100000"]:
-                break
-        pid = pid_of_rank(1, run_id)
-        assert pid is not None
-        os.kill(pid, signal.SIGSTOP)  # rank 1 hangs: alive, silent
-        stopped_at = time.monotonic()
-        out, err = proc.communicate(timeout=timeout_s + 90)
-        elapsed = time.monotonic() - stopped_at
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode != 0
-    assert elapsed < timeout_s + 60, elapsed
-    assert "[rank 0] a collective did not complete" in err and f"parallel.timeout_s={timeout_s}" in err, err[-3000:]
-
-
 def drain(stream, lines: list) -> threading.Thread:
     """Collect a pipe's lines with their arrival time, so neither pipe fills while the test waits."""
     def read():
@@ -145,7 +120,7 @@ def drain(stream, lines: list) -> threading.Thread:
 
 HUNG_LAYOUTS = {  # name: (ranks, options); rank 1 shares rank 0's tp group in both
     "tp2-dp2": (4, ["--parallel.tp", "2"]),
-    "pp2-dp2-tp2": (8, ["--parallel.pp", "2", "--parallel.tp", "2", "--model.num-hidden-layers", "4"]),
+    "pp2-tp2": (4, ["--parallel.pp", "2", "--parallel.tp", "2", "--model.num-hidden-layers", "4"]),
 }
 
 
