@@ -10,7 +10,7 @@ from meshtrain.errors import ConfigError
 from meshtrain.models.initialize import init_weights
 from meshtrain.models.lora import LoRALinear, add_lora, check_lora, init_lora, lora_targets
 from meshtrain.models.transformer import Transformer
-from tests.batch import jobs
+from tests.batch import Job, jobs
 from tests.test_moe import MOE_ARGS
 from tests.test_parallel import PP_MODEL, assert_matches_reference, reference, run_layout, train_job
 
@@ -104,42 +104,76 @@ def lora_job(tmp_path, name: str, nproc: int, *args: str, model=None):
     return proc, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.slow
-def test_lora_checkpoints_hold_the_adapters_only_and_resume_exactly(tmp_path):
+def write_model(directory) -> tuple[str, ...]:
     from tests.hf_models import write_hf_dir
 
-    write_hf_dir(tmp_path / "model")
-    _, whole = lora_job(tmp_path, "whole", 2, "--parallel.dp-shard", "2")
-    _, first = lora_job(tmp_path, "resumed", 2, "--parallel.dp-shard", "2", "--checkpoint.interval", "2",
-                        "--train.steps", "2")
-    from torch.distributed.checkpoint import FileSystemReader
+    return ("--model.init-from-hf", str(write_hf_dir(directory / "model")))
 
-    saved = FileSystemReader(str(tmp_path / "resumed" / "checkpoints" / "step-000002")).read_metadata()
-    weights = [k for k in saved.state_dict_metadata if k.startswith("model.")]
-    assert len(weights) == 28 and all(k.endswith(("lora_A", "lora_B")) for k in weights)  # no base weight
-    _, rest = lora_job(tmp_path, "resumed", 2, "--parallel.dp-shard", "2", "--checkpoint.interval", "2")
-    assert [r["loss"] for r in first + rest if r["step"] > 2] == [r["loss"] for r in whole if r["step"] > 2]
-    # DoRA starts as the loaded model too: its magnitudes are the loaded weights' row norms
-    _, dora = lora_job(tmp_path, "dora", 2, "--parallel.dp-shard", "2", "--peft.method", "dora", "--train.steps", "1")
-    assert dora[0]["loss"] == pytest.approx(whole[0]["loss"], rel=1e-6)
+
+def checkpoint_job(name: str, *args: str, after: tuple[Job, ...] = ()) -> Job:
+    """``meshtrain train`` of LoRA on an HF model under dp2 (tests/workers/train_command.py)."""
+    return Job(f"lora/checkpoint-{name}", 2, "train_command",
+               (*LORA, "--parallel.dp-shard", "2", "--train.steps", "4", "--train.global-batch-size", "4",
+                "--train.micro-batch-size", "2", "--train.seq-len", "32", "--logging.progress", "off",
+                "--logging.jsonl", "True", *args), prepare=write_model, after=after)
+
+
+WHOLE = checkpoint_job("whole")
+FIRST = checkpoint_job("first", "--checkpoint.interval", "2", "--train.steps", "2")
+REST = checkpoint_job("rest", "--checkpoint.interval", "2", "--checkpoint.resume",
+                      f"{{jobs}}/{FIRST.name}/checkpoints/step-000002", after=(FIRST,))
+DORA = checkpoint_job("dora", "--peft.method", "dora", "--train.steps", "1")
+
+
+def metrics(batches, job: Job) -> list[dict]:
+    return [json.loads(line) for line in (batches.result(job) / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow
-def test_moe_lora_under_ep2_exports_a_peft_adapter_and_a_merged_model_with_equal_logits(tmp_path):
+@pytest.mark.job(WHOLE, FIRST, REST, DORA)
+def test_lora_checkpoints_hold_the_adapters_only_and_resume_exactly(batches):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    whole, first, rest = metrics(batches, WHOLE), metrics(batches, FIRST), metrics(batches, REST)
+    saved = FileSystemReader(str(batches.result(FIRST) / "checkpoints" / "step-000002")).read_metadata()
+    weights = [k for k in saved.state_dict_metadata if k.startswith("model.")]
+    assert len(weights) == 28 and all(k.endswith(("lora_A", "lora_B")) for k in weights)  # no base weight
+    assert [r["step"] for r in rest] == [3, 4]
+    assert [r["loss"] for r in first + rest if r["step"] > 2] == [r["loss"] for r in whole if r["step"] > 2]
+    # DoRA starts as the loaded model too: its magnitudes are the loaded weights' row norms
+    assert metrics(batches, DORA)[0]["loss"] == pytest.approx(whole[0]["loss"], rel=1e-6)
+
+
+def write_moe_model(directory) -> tuple[str, ...]:
+    from tests.test_moe import hf_dir
+
+    return ("--model.init-from-hf", str(hf_dir(directory, "qwen3_moe", vocab_size=384)[1]))
+
+
+MOE_EXPORT = Job("lora/moe-ep2-export", 2, "train_command",
+                 (*LORA, "--parallel.ep", "2", "--peft.targets", "*.q_proj", "*.experts", "--peft.export-adapter",
+                  "{jobs}/lora/moe-ep2-export/adapter", "--checkpoint.export-hf", "{jobs}/lora/moe-ep2-export/merged",
+                  "--train.steps", "2", "--train.global-batch-size", "4", "--train.micro-batch-size", "2",
+                  "--train.seq-len", "32", "--logging.progress", "off"), prepare=write_moe_model)
+
+
+@pytest.mark.slow
+@pytest.mark.job(MOE_EXPORT)
+def test_moe_lora_under_ep2_exports_a_peft_adapter_and_a_merged_model_with_equal_logits(batches):
     """A Qwen3-MoE from transformers, LoRA on q_proj and every expert, trained with the experts split
     over ep2: the gathered per-expert adapters load in peft and the merged export in transformers,
     with the same logits."""
     peft = pytest.importorskip("peft")
     import transformers
 
-    from tests.test_moe import hf_dir
+    out = batches.result(MOE_EXPORT)
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(out / "qwen3_moe")).eval()
+    from safetensors import safe_open
 
-    base, directory = hf_dir(tmp_path, "qwen3_moe", vocab_size=384)
-    out = tmp_path / "moe"
-    proc, _ = lora_job(tmp_path, "moe", 2, "--parallel.ep", "2", "--peft.targets", "*.q_proj", "*.experts",
-                       "--peft.export-adapter", str(out / "adapter"), "--checkpoint.export-hf", str(out / "merged"),
-                       "--train.steps", "2", model=directory)
-    assert "(9 LoRA adapters merged into their weights)" in proc.stdout  # 3 q_proj + 2 MoE layers x 3 projections
+    with safe_open(str(out / "adapter" / "adapter_model.safetensors"), "pt") as f:
+        adapted_modules = {key.split(".lora_")[0] for key in f.keys()}
+    # PEFT names each expert: 3 q_proj + 2 MoE layers x 8 experts x 3 projections, all gathered over ep
+    assert len(adapted_modules) == 3 + 2 * 8 * 3, sorted(adapted_modules)
     x = torch.randint(0, 384, (2, 24))
     with torch.no_grad():
         plain = base(x).logits
