@@ -40,32 +40,18 @@ def tiny_args() -> list[str]:
             for arg in (f"--{section.replace('_', '-')}.{key.replace('_', '-')}", str(value))]
 
 
-def torchrun_process(nproc: int, args: list[str], env: dict | None = None) -> subprocess.Popen:
-    """Start ``args`` (a script or ``-m module`` and its options) on ``nproc`` CPU ranks."""
+def torchrun(nproc: int, args: list[str], timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``args`` (a script or ``-m module`` and its options) on ``nproc`` CPU ranks."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), **(env or {})}
     full_env.pop("MESHTRAIN_DEVICE", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-    return subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def with_error_lines(stderr: str) -> str:
-    """Tests print the tail of stderr; the rank that failed first is often far above it."""
-    causes = [line for line in stderr.splitlines()
-              if re.search(r"terminate called|what\(\)|\w+(Error|Exception):|enforce fail", line)]
-    return stderr + "\n--- error lines of every rank, in order ---\n" + "\n".join(causes[:30])
-
-
-def torchrun(nproc: int, args: list[str], timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run ``args`` (a script or ``-m module`` and its options) on ``nproc`` CPU ranks."""
-    process = torchrun_process(nproc, args, env)
-    try:
-        out, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.communicate()
-        raise
-    return subprocess.CompletedProcess(process.args, process.returncode, out,
-                                       with_error_lines(err) if process.returncode else err)
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode:
+        # Tests print the tail of stderr; the rank that failed first is often far above it.
+        causes = [line for line in proc.stderr.splitlines()
+                  if re.search(r"terminate called|what\(\)|\w+(Error|Exception):|enforce fail", line)]
+        proc.stderr += "\n--- error lines of every rank, in order ---\n" + "\n".join(causes[:30])
+    return proc
 
 
 @pytest.fixture
@@ -82,20 +68,14 @@ _SELECTED_JOBS = pytest.StashKey[dict]()
 
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection: only the selected tests' jobs run
 def pytest_collection_modifyitems(config, items):
-    """The selected tests' multi-rank jobs, and the tests that read them last (tests/batch.py): they
-    run in the background meanwhile."""
     from tests.batch import selected_jobs
 
     config.stash[_SELECTED_JOBS] = selected_jobs(items)
-    items[:] = sorted(items, key=lambda item: item.get_closest_marker("job") is not None)
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="session")
 def batches(request, tmp_path_factory):
-    """The selected tests' multi-rank jobs, started with the session (tests/batch.py)."""
+    """Runs the collected tests' multi-rank jobs, one torchrun launch per world size (tests/batch.py)."""
     from tests.batch import Batches
 
-    runner = Batches(request.config.stash.get(_SELECTED_JOBS, {}), tmp_path_factory.mktemp("jobs"))
-    runner.start()
-    yield runner
-    runner.stop()
+    return Batches(request.config.stash.get(_SELECTED_JOBS, {}), tmp_path_factory.mktemp("jobs"))
