@@ -322,6 +322,8 @@ def communication_table(args, jobs: dict) -> tuple[list[str], dict]:
             "measured / minimum | the minimum's formula |", "|---|---|---|---|---|---|---|---|"]
     summary = {}
     for name in COMMUNICATION:
+        if ("meshtrain", name) not in jobs:
+            continue
         result = jobs[("meshtrain", name)][0]
         ranks = result["ranks"]
         parts = analytic_minimum(name, args)
@@ -347,6 +349,8 @@ def memory_table(jobs: dict) -> tuple[list[str], dict]:
             "measured / estimate |", "|---|---|---|---|---|---|---|"]
     summary = {}
     for name in dict.fromkeys(THROUGHPUT + COMMUNICATION):
+        if ("meshtrain", name) not in jobs:
+            continue
         result = jobs[("meshtrain", name)][0]
         summary[name] = []
         for rank, r in enumerate(result["ranks"]):
@@ -386,7 +390,8 @@ def driver(args: argparse.Namespace) -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     args.run_dir = str(out / "runs")
-    wanted = [("transformers", "1 rank")] + [("meshtrain", n) for n in dict.fromkeys(THROUGHPUT + COMMUNICATION)]
+    wanted = [("transformers", "1 rank")] + [("meshtrain", n) for n in dict.fromkeys(THROUGHPUT + COMMUNICATION)
+                                             if n not in args.skip]
     jobs: dict = {key: [] for key in wanted}
     for repeat in range(args.repeats):
         for kind, name in wanted:
@@ -428,6 +433,8 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=None)
     parser.add_argument("--timeout", type=int, default=900, help="seconds per job")
     parser.add_argument("--out", default=str(ROOT / "runs" / "bench"))
+    parser.add_argument("--skip", nargs="+", default=[], metavar="JOB", choices=[n for n in LAYOUTS if n != "1 rank"],
+                        help="meshtrain jobs to leave out of every table (\"1 rank\" is every ratio's baseline)")
     parser.add_argument("--worker", choices=["meshtrain", "transformers"], help=argparse.SUPPRESS)
     parser.add_argument("--layout", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)

@@ -136,16 +136,21 @@ def test_convert_round_trip_on_several_ranks(tmp_path):
     assert any(not torch.equal(trained[k], v) for k, v in read_tensors(src).items())  # it did train
 
 
-def test_user_mistakes_in_conversion_are_one_line_errors(tmp_path):
+def test_user_mistakes_in_conversion_are_one_line_errors(tmp_path, capsys):
+    from meshtrain.cli import main
+
     src = write_hf_dir(tmp_path / "src")
     cases = [
         (["--src", str(tmp_path / "nope"), "--dst", str(tmp_path / "x")], "no such directory"),
         (["--src", str(src), "--dst", str(src)], "already exists and is not empty"),
         (["--src", str(tmp_path), "--dst", str(tmp_path / "y")], "neither a Hugging Face model"),
     ]
-    for args, message in cases:
-        proc = meshtrain("convert", *args)
-        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    for args, message in cases:  # in-process: each fails before any work (as in test_cli)
+        with pytest.raises(SystemExit) as exit_:
+            main(["convert", *args])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and message in err and "Traceback" not in err, err
+    # a damaged source is found while reading, on the process group: a real process
     bad = tmp_path / "src" / sorted(p.name for p in src.glob("*.safetensors"))[0]
     bad.write_bytes(bad.read_bytes()[:-64])
     proc = meshtrain("convert", "--src", str(src), "--dst", str(tmp_path / "z"))
