@@ -42,7 +42,10 @@ def tiny_args() -> list[str]:
 
 def torchrun(nproc: int, args: list[str], timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``args`` (a script or ``-m module`` and its options) on ``nproc`` CPU ranks."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), **(env or {})}
+    # PYTHONFAULTHANDLER: a rank that dies of SIGSEGV/SIGABRT prints its Python stack (a rare native crash in the
+    # 4-rank batch gave only "Signal 11 received")
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1",
+                "PYTHONPATH": str(ROOT), **(env or {})}
     full_env.pop("MESHTRAIN_DEVICE", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)

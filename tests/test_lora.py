@@ -92,30 +92,27 @@ def test_lora_layouts_equal_single_rank(batches, name):
         assert got["trainable_elements"] == 4096 and got["optimizer_bytes"] == 2 * 4 * 4096
 
 
-def lora_job(tmp_path, name: str, nproc: int, *args: str, model=None):
-    from tests.conftest import torchrun
-
-    out = tmp_path / name
-    proc = torchrun(nproc, ["-m", "meshtrain", "train", "--model.init-from-hf", str(model or tmp_path / "model"),
-                            *LORA, "--train.steps", "4", "--train.global-batch-size", "4", "--train.micro-batch-size",
-                            "2", "--train.seq-len", "32", "--train.run-dir", str(out), "--logging.progress", "off",
-                            "--logging.jsonl", "True", *args])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def write_model(directory) -> tuple[str, ...]:
     from tests.hf_models import write_hf_dir
 
     return ("--model.init-from-hf", str(write_hf_dir(directory / "model")))
 
 
+def write_moe_model(directory) -> tuple[str, ...]:
+    from tests.test_moe import hf_dir
+
+    return ("--model.init-from-hf", str(hf_dir(directory, "qwen3_moe", vocab_size=384)[1]))
+
+
+def hf_lora_job(name: str, *args: str, prepare=write_model, after: tuple[Job, ...] = ()) -> Job:
+    """``meshtrain train`` of LoRA on a tiny Hugging Face model, 2 ranks (tests/workers/train_command.py)."""
+    return Job(f"lora/{name}", 2, "train_command",
+               (*LORA, "--train.steps", "4", "--train.global-batch-size", "4", "--train.micro-batch-size", "2",
+                "--train.seq-len", "32", "--logging.progress", "off", *args), prepare=prepare, after=after)
+
+
 def checkpoint_job(name: str, *args: str, after: tuple[Job, ...] = ()) -> Job:
-    """``meshtrain train`` of LoRA on an HF model under dp2 (tests/workers/train_command.py)."""
-    return Job(f"lora/checkpoint-{name}", 2, "train_command",
-               (*LORA, "--parallel.dp-shard", "2", "--train.steps", "4", "--train.global-batch-size", "4",
-                "--train.micro-batch-size", "2", "--train.seq-len", "32", "--logging.progress", "off",
-                "--logging.jsonl", "True", *args), prepare=write_model, after=after)
+    return hf_lora_job(f"checkpoint-{name}", "--parallel.dp-shard", "2", "--logging.jsonl", "True", *args, after=after)
 
 
 WHOLE = checkpoint_job("whole")
@@ -144,17 +141,10 @@ def test_lora_checkpoints_hold_the_adapters_only_and_resume_exactly(batches):
     assert metrics(batches, DORA)[0]["loss"] == pytest.approx(whole[0]["loss"], rel=1e-6)
 
 
-def write_moe_model(directory) -> tuple[str, ...]:
-    from tests.test_moe import hf_dir
-
-    return ("--model.init-from-hf", str(hf_dir(directory, "qwen3_moe", vocab_size=384)[1]))
-
-
-MOE_EXPORT = Job("lora/moe-ep2-export", 2, "train_command",
-                 (*LORA, "--parallel.ep", "2", "--peft.targets", "*.q_proj", "*.experts", "--peft.export-adapter",
-                  "{jobs}/lora/moe-ep2-export/adapter", "--checkpoint.export-hf", "{jobs}/lora/moe-ep2-export/merged",
-                  "--train.steps", "2", "--train.global-batch-size", "4", "--train.micro-batch-size", "2",
-                  "--train.seq-len", "32", "--logging.progress", "off"), prepare=write_moe_model)
+MOE_EXPORT_DIR = "{jobs}/lora/moe-ep2-export"
+MOE_EXPORT = hf_lora_job("moe-ep2-export", "--parallel.ep", "2", "--peft.targets", "*.q_proj", "*.experts",
+                         "--peft.export-adapter", f"{MOE_EXPORT_DIR}/adapter", "--checkpoint.export-hf",
+                         f"{MOE_EXPORT_DIR}/merged", "--train.steps", "2", prepare=write_moe_model)
 
 
 @pytest.mark.slow
@@ -165,11 +155,10 @@ def test_moe_lora_under_ep2_exports_a_peft_adapter_and_a_merged_model_with_equal
     with the same logits."""
     peft = pytest.importorskip("peft")
     import transformers
+    from safetensors import safe_open
 
     out = batches.result(MOE_EXPORT)
     base = transformers.AutoModelForCausalLM.from_pretrained(str(out / "qwen3_moe")).eval()
-    from safetensors import safe_open
-
     with safe_open(str(out / "adapter" / "adapter_model.safetensors"), "pt") as f:
         adapted_modules = {key.split(".lora_")[0] for key in f.keys()}
     # PEFT names each expert: 3 q_proj + 2 MoE layers x 8 experts x 3 projections, all gathered over ep
