@@ -22,8 +22,8 @@ import pytest
 
 from tests.conftest import torchrun
 
-KINDS = ("train", "train_command", "hf", "mesh", "ring_attention", "allocation")
-"""What a job does on every rank: tests/workers/<kind>.py."""
+KINDS = tuple(sorted(p.stem for p in (pathlib.Path(__file__).parent / "workers").glob("*.py") if p.stem != "__init__"))
+"""What a job does on every rank: tests/workers/<kind>.py, one file a kind."""
 
 SECONDS_PER_JOB = 120
 

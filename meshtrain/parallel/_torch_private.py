@@ -8,8 +8,9 @@ and the flight recorder's record of collectives (gloo and NCCL alike, filled whe
 TORCH_FR_BUFFER_SIZE is set before a group is made) only as ``_dump_fr_trace_json``, and
 CUDA memory snapshots only as ``torch.cuda.memory._record_memory_history`` / ``_dump_snapshot``,
 and the number of graphs torch.compile made only as dynamo's ``counters``, and an all-gather
-whose backward reduce-scatters on any backend only as ``_functional_collectives.all_gather_single``
-(checked against torch 2.13.0). Everything else goes through this file, so a torch upgrade that makes them public (or
+whose backward reduce-scatters on any backend only as ``_functional_collectives.all_gather_single``,
+and the list of live process groups and DTensor's caches keyed by mesh equality only as c10d's ``_world``
+and the caches of ``_redistribute`` and the sharding propagator (checked against torch 2.13.0). Everything else goes through this file, so a torch upgrade that makes them public (or
 changes them) is a one-file change.
 """
 
@@ -79,3 +80,28 @@ def gather_along(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> to
 
     moved = tensor.movedim(dim, 0).contiguous()
     return all_gather_single(moved, 0, group).movedim(0, dim)
+
+
+def clear_dtensor_mesh_caches() -> None:
+    """Empty DTensor's caches that hold DeviceMeshes. They are keyed by mesh equality (shape, ranks and
+    dim names, not process groups), so after a job's groups are destroyed a later job's equal mesh
+    would be handed the old mesh, and its dead groups, from them; they also keep the old meshes, and
+    so their groups' threads, alive. torch 2.13: the redistribute planner cache, the ``@cache``d
+    ``_gen_transform_infos`` and the sharding propagator's LRU cache, which is per thread: this
+    empties the calling thread's (on CPU, backward runs on the thread that called it)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _redistribute
+
+    clear_planners = getattr(_redistribute, "clear_redistribute_planner_cache", None)
+    if clear_planners is not None:  # a torch release without the planner cache has nothing to clear
+        clear_planners()
+    _redistribute._gen_transform_infos.cache_clear()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+
+
+def subgroups() -> list[dist.ProcessGroup]:
+    """Every live process group of this process except the default (world) one."""
+    from torch.distributed.distributed_c10d import _world
+
+    return [group for group in _world.pg_map if group is not dist.GroupMember.WORLD]

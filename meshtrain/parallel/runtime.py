@@ -107,6 +107,25 @@ def shutdown(synchronize: bool = False) -> None:
 _torn_down = False
 
 
+def release_groups() -> None:
+    """Destroy every process group but the world's, so that a process running job after job on one
+    process group (the test batches) holds a bounded number of them: each DeviceMesh dim and each
+    flattened dim is a group, and each gloo group keeps 3 threads alive until it is freed.
+
+    Every rank calls it between jobs, when no collective is in flight. DTensor's mesh caches are
+    emptied first: they would otherwise keep the job's meshes (and groups) alive and hand a later
+    job's equal mesh the destroyed groups.
+    """
+    import gc
+
+    from meshtrain.parallel._torch_private import clear_dtensor_mesh_caches, subgroups
+
+    clear_dtensor_mesh_caches()
+    for group in subgroups():
+        dist.destroy_process_group(group)
+    gc.collect()  # the groups' threads end when the last mesh holding them is freed
+
+
 def exit_process(code: int) -> NoReturn:
     """End a program that used a process group, skipping interpreter finalisation once it is torn down.
 
