@@ -1,4 +1,5 @@
-"""Shared helpers: tiny configs and a torchrun launcher for multi-rank tests."""
+"""Shared helpers: tiny configs, a torchrun launcher for multi-rank tests, and helpers for tests that
+start and watch processes themselves."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import pathlib
 import re
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -55,6 +58,35 @@ def torchrun(nproc: int, args: list[str], timeout: int = 600, env: dict | None =
                   if re.search(r"terminate called|what\(\)|\w+(Error|Exception):|enforce fail", line)]
         proc.stderr += "\n--- error lines of every rank, in order ---\n" + "\n".join(causes[:30])
     return proc
+
+
+def env(**extra) -> dict:
+    """The environment of a process a test launches through launch/ (not torchrun())."""
+    return {**os.environ, "MESHTRAIN_PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+            "PYTHONUNBUFFERED": "1",
+            **{k: str(v) for k, v in extra.items()}}
+
+
+def pid_of_rank(rank: int, run_id: str) -> int | None:
+    """The pid of a rank started with HANG_TEST_ID=run_id in its environment, if it is running."""
+    for proc in pathlib.Path("/proc").iterdir():
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if f"RANK={rank}".encode() in environ and f"HANG_TEST_ID={run_id}".encode() in environ:
+            return int(proc.name)
+    return None
+
+
+def drain(stream, lines: list) -> threading.Thread:
+    """Collect a pipe's lines with their arrival time, so neither pipe fills while the test waits."""
+    def read():
+        for line in stream:
+            lines.append((time.monotonic(), line))
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
 
 
 @pytest.fixture

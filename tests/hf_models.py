@@ -1,35 +1,52 @@
-"""Tiny random Hugging Face checkpoints, written with transformers from configs (nothing downloads)."""
+"""Tiny random Hugging Face checkpoints, written with transformers from configs (nothing downloads),
+and the ways tests read them back: every test's Hugging Face model comes from FAMILIES here."""
 
 from __future__ import annotations
 
 import glob
+import json
 import pathlib
 
 import torch
 
-FAMILIES = {
-    "llama": dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256,
-                  rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                   "original_max_position_embeddings": 64}),
-    "qwen3": dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=32, max_position_embeddings=256),
+FAMILIES = {  # family: (transformers config class, its tiny config)
+    "llama": ("LlamaConfig", dict(
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "qwen3": ("Qwen3Config", dict(
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(
+        vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        mlp_only_layers=[0], norm_topk_prob=True, max_position_embeddings=128)),
+    "mixtral": ("MixtralConfig", dict(
+        vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128)),
 }
 
 
-def hf_model(family: str, dtype=torch.float32, seed: int = 0, **overrides):
+def hf_config(family: str, **overrides):
     import transformers
 
-    config_cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[family]
-    model_cls = {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}[family]
-    config = config_cls(**(FAMILIES[family] | overrides), bos_token_id=1, eos_token_id=2)
+    config_class, values = FAMILIES[family]
+    return getattr(transformers, config_class)(**(values | overrides))
+
+
+def hf_model(family: str, dtype=torch.float32, seed: int = 0, **overrides):
+    """A transformers model of ``family`` with random weights; norms and routers carry information too."""
+    import transformers
+
     torch.manual_seed(seed)
-    model = model_cls(config).to(dtype).eval()
-    with torch.no_grad():  # norm weights start at one: make them carry information too
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(family, **overrides)).to(dtype).eval()
+    with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name:  # norm weights start at one
                 p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith("gate.weight"):  # MoE routers: random, so that every expert gets tokens
+                p.normal_(0.0, 0.5)
     return model
 
 
@@ -38,6 +55,13 @@ def write_hf_dir(path: pathlib.Path, family: str = "llama", dtype=torch.float32,
     model = hf_model(family, dtype, **overrides)
     model.save_pretrained(path, max_shard_size=shard) if shard else model.save_pretrained(path)
     return path
+
+
+def hf_dir(tmp_path: pathlib.Path, family: str, **overrides):
+    """The model and its one-file checkpoint directory, ``tmp_path / family``."""
+    model = hf_model(family, **overrides)
+    model.save_pretrained(tmp_path / family)
+    return model, tmp_path / family
 
 
 def read_tensors(path: pathlib.Path) -> dict[str, torch.Tensor]:
@@ -55,3 +79,40 @@ def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
     for k in a:
         assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
         assert torch.equal(a[k].view(-1).view(torch.uint8), b[k].view(-1).view(torch.uint8)), k
+
+
+def meshtrain_from(directory: pathlib.Path):
+    """meshtrain's model of a checkpoint directory, loaded in one process with a plain state dict."""
+    from meshtrain.hf.adapter import from_hf, model_config_from_hf
+    from meshtrain.models.initialize import init_weights
+    from meshtrain.models.transformer import Transformer
+
+    cfg, _ = model_config_from_hf(json.loads((directory / "config.json").read_text()))
+    model = Transformer(cfg)
+    init_weights(model, 0)
+    model.load_state_dict(from_hf(read_tensors(directory), cfg), strict=True)
+    return model.eval()
+
+
+def imported(directory: pathlib.Path):
+    """meshtrain's model of a checkpoint directory, loaded as the trainer loads it (meta, then the files)."""
+    from meshtrain.config import ModelConfig
+    from meshtrain.hf.adapter import resolve_init_from_hf
+    from meshtrain.hf.io import load_hf_weights
+    from meshtrain.models.transformer import Transformer
+
+    cfg = resolve_init_from_hf(ModelConfig(init_from_hf=str(directory)))
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    load_hf_weights([model], str(directory))
+    return model
+
+
+def hf_shapes_of(directory: pathlib.Path) -> dict:
+    """The tensor shapes meshtrain expects in a checkpoint directory, from its config.json."""
+    from meshtrain.config import ModelConfig
+    from meshtrain.hf.adapter import hf_shapes, resolve_init_from_hf
+
+    return hf_shapes(resolve_init_from_hf(ModelConfig(init_from_hf=str(directory))))

@@ -10,16 +10,12 @@ import pytest
 import torch
 
 from tests.batch import Job, jobs
-from tests.conftest import ROOT, tiny_args, torchrun
+from tests.conftest import ROOT, torchrun
 from tests.hf_models import assert_same_tensors, read_tensors, write_hf_dir
+from tests.parity import LOSS_RTOL, TINY, TINY_NO_MODEL, checkpoint_of_step3, losses
 
 pytestmark = pytest.mark.slow
 
-LOSS_RTOL = 1e-5
-TINY = tiny_args()
-# The model section of TINY would contradict the imported config.json; data and steps still apply.
-TINY_NO_MODEL = [a for i, a in enumerate(TINY) if not (a.startswith("--model.") or
-                                                      (i > 0 and TINY[i - 1].startswith("--model.")))]
 
 IMPORT_LAYOUTS = {
     "llama-fp32-tp2": (2, "llama", torch.float32, ["--parallel.tp", "2"]),
@@ -71,24 +67,16 @@ def resume_job(name: str, nproc: int, *options: str, after: tuple[Job, ...] = ()
                (*TINY, "--train.steps", "6", "--logging.jsonl", "True", *options), after=after)
 
 
-def step3(job: Job) -> str:
-    return f"{{jobs}}/{job.name}/checkpoints/step-000003"
-
-
-def losses(batches, job: Job) -> list[float]:
-    return [json.loads(line)["loss"] for line in (batches.result(job) / "metrics.jsonl").read_text().splitlines()]
-
-
 ONE_RANK = resume_job("one-rank", 1, "--checkpoint.interval", "3")
-RESUMED = [resume_job(name, 4, "--checkpoint.resume", step3(ONE_RANK), "--checkpoint.interval", "3", *layout,
+RESUMED = [resume_job(name, 4, "--checkpoint.resume", checkpoint_of_step3(ONE_RANK), "--checkpoint.interval", "3", *layout,
                       after=(ONE_RANK,))
            for name, layout in [("tp2-dp2", ["--parallel.tp", "2"]), ("pp2-dp2", ["--parallel.pp", "2"])]]
 # A 4-rank checkpoint (written in the background), resumed by 4 ranks of the same layout and by a pipeline.
 SHARDED = resume_job("tp2-dp2-whole", 4, "--parallel.tp", "2", "--checkpoint.interval", "3",
                      "--checkpoint.async-save", "True")
-SHARDED_AGAIN = resume_job("tp2-dp2-again", 4, "--parallel.tp", "2", "--checkpoint.resume", step3(SHARDED),
+SHARDED_AGAIN = resume_job("tp2-dp2-again", 4, "--parallel.tp", "2", "--checkpoint.resume", checkpoint_of_step3(SHARDED),
                            after=(SHARDED,))
-SHARDED_TO_PP = resume_job("pp2", 2, "--parallel.pp", "2", "--checkpoint.resume", step3(SHARDED), after=(SHARDED,))
+SHARDED_TO_PP = resume_job("pp2", 2, "--parallel.pp", "2", "--checkpoint.resume", checkpoint_of_step3(SHARDED), after=(SHARDED,))
 
 
 @pytest.mark.job(ONE_RANK)

@@ -4,7 +4,7 @@ single-process run (the CPU path; CUDA runs torch's stock context_parallel)."""
 import pytest
 
 from tests.batch import Job, jobs
-from tests.test_parallel import PP_MODEL, assert_matches_reference, reference, run_layout, train_job
+from tests.parity import PP_MODEL, assert_matches_reference, reference, run_layout, train_job
 
 pytestmark = pytest.mark.slow
 

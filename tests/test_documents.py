@@ -13,8 +13,7 @@ from meshtrain.models.documents import block_causal_mask, document_ids, position
 from meshtrain.models.initialize import init_weights
 from meshtrain.models.transformer import Transformer
 from tests.batch import Job, jobs
-from tests.test_moe import MOE_ARGS
-from tests.test_parallel import PP_MODEL, TINY, assert_matches_reference, reference, run_layout
+from tests.parity import MOE_ARGS, PP_MODEL, TINY, assert_matches_reference, reference, run_layout
 
 EOS = 9
 

@@ -7,8 +7,7 @@ import torch
 
 from meshtrain.config import DataConfig
 from tests.batch import Job, jobs
-from tests.test_moe import MOE_ARGS
-from tests.test_parallel import PP_MODEL, TINY, assert_matches_reference, reference, run_layout, train_job
+from tests.parity import MOE_ARGS, PP_MODEL, TINY, assert_matches_reference, reference, run_layout, train_job
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +68,7 @@ def test_a_split_holds_out_the_last_samples_and_reports_val_loss(tmp_path):
 
 
 def sft_eval_data(directory):
-    from tests.test_sft import sft_data
+    from tests.chat_data import sft_data
 
     args = sft_data(directory)
     return (*args, "--eval.data", args[args.index("--data.path") + 1])

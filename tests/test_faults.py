@@ -12,8 +12,7 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT, tiny_args
-from tests.test_launch import drain, env, pid_of_rank
+from tests.conftest import ROOT, drain, env, pid_of_rank, tiny_args
 
 pytestmark = pytest.mark.slow
 

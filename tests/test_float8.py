@@ -9,7 +9,7 @@ from meshtrain.config import ModelConfig
 from meshtrain.errors import ConfigError
 from meshtrain.models.float8 import check_float8, convert_to_float8
 from meshtrain.models.transformer import Transformer
-from tests.test_parallel import reference, run_layout, train_job
+from tests.parity import reference, run_layout, train_job
 
 pytest.importorskip("torchao", reason="the float8 extra (pip install 'meshtrain[float8]') is part of the test extra")
 

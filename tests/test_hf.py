@@ -11,22 +11,12 @@ from meshtrain.config import ModelConfig
 from meshtrain.errors import CheckpointError
 from meshtrain.hf.adapter import (from_hf, hf_config_from_model, hf_shapes, model_config_from_hf,
                                   resolve_init_from_hf, to_hf)
-from meshtrain.hf.io import export_dtypes, inspect_hf_dir, load_hf_weights, save_hf, shard_plan
-from meshtrain.models.transformer import Transformer
-from tests.hf_models import assert_same_tensors, hf_model, read_tensors, write_hf_dir
+from meshtrain.hf.io import export_dtypes, inspect_hf_dir, save_hf, shard_plan
+from tests.hf_models import assert_same_tensors, hf_model, hf_shapes_of, imported, read_tensors, write_hf_dir
 
 CASES = {"llama": ("llama", {}), "qwen3": ("qwen3", {}), "llama-tied": ("llama", {"tie_word_embeddings": True}),
          "qwen3-mha": ("qwen3", {"num_key_value_heads": 4})}
 
-
-def imported(directory: pathlib.Path) -> Transformer:
-    cfg = resolve_init_from_hf(ModelConfig(init_from_hf=str(directory)))
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model.to_empty(device="cpu")
-    model.tie_weights()
-    load_hf_weights([model], str(directory))
-    return model
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -136,10 +126,6 @@ def test_export_dtype_choice_and_shard_plan(tmp_path):
 
 # --- bad input -----------------------------------------------------------------------------------
 
-def _expected(directory):
-    return hf_shapes(resolve_init_from_hf(ModelConfig(init_from_hf=str(directory))))
-
-
 def _break(directory: pathlib.Path, how: str) -> str:
     """Damage ``directory`` one way; returns what the error must say."""
     files = sorted(directory.glob("*.safetensors"))
@@ -183,7 +169,7 @@ def _break(directory: pathlib.Path, how: str) -> str:
                                  "extra-key", "wrong-shape"])
 def test_bad_hf_directories_name_the_file_and_key(how, tmp_path):
     directory = write_hf_dir(tmp_path / "hf")
-    expected = _expected(directory)
+    expected = hf_shapes_of(directory)
     message = _break(directory, how)
     with pytest.raises(CheckpointError) as e:
         inspect_hf_dir(directory, expected)

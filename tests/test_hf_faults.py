@@ -13,8 +13,7 @@ from meshtrain.commands import convert as convert_command
 from meshtrain.commands.convert import ConvertConfig, convert
 from meshtrain.errors import CheckpointError
 from meshtrain.hf.io import inspect_hf_dir
-from tests.hf_models import assert_same_tensors, read_tensors, write_hf_dir
-from tests.test_hf import _expected, imported
+from tests.hf_models import assert_same_tensors, hf_shapes_of, imported, read_tensors, write_hf_dir
 
 TRAIN = ["--train.steps", "1", "--train.global-batch-size", "2", "--train.micro-batch-size", "2",
          "--train.seq-len", "32", "--logging.progress", "off"]
@@ -97,7 +96,7 @@ def test_a_tied_checkpoint_that_stores_the_head_too_is_accepted_when_it_is_the_e
     with_stored_head(other, lambda e: e + 1)
     with pytest.raises(CheckpointError, match="lm_head.weight differs from model.embed_tokens.weight, but "
                                               "config.json says tie_word_embeddings=true"):
-        inspect_hf_dir(other, _expected(other))
+        inspect_hf_dir(other, hf_shapes_of(other))
 
 
 def word_level_tokenizer(path: pathlib.Path, size: int) -> pathlib.Path:

@@ -10,13 +10,12 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 import yaml
 
-from tests.conftest import ROOT, tiny_args
+from tests.conftest import ROOT, drain, env, pid_of_rank, tiny_args
 
 pytestmark = pytest.mark.slow
 
@@ -27,12 +26,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def env(**extra) -> dict:
-    return {**os.environ, "MESHTRAIN_PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
-            "PYTHONUNBUFFERED": "1",
-            **{k: str(v) for k, v in extra.items()}}
 
 
 def finish(procs: list[subprocess.Popen], timeout: int = 300) -> list[tuple[int, str, str]]:
@@ -95,27 +88,6 @@ def test_pytorchjob_command_under_the_operators_environment(tmp_path):
     results = finish(procs)
     assert all(p.returncode == 0 for p in procs), [r[2][-3000:] for r in results]
     assert "(world 2)" in results[0][1] and "step 3/3" in results[0][1]
-
-
-def pid_of_rank(rank: int, run_id: str) -> int | None:
-    for proc in pathlib.Path("/proc").iterdir():
-        try:
-            environ = (proc / "environ").read_bytes().split(b"\0")
-        except (OSError, ValueError):
-            continue
-        if f"RANK={rank}".encode() in environ and f"HANG_TEST_ID={run_id}".encode() in environ:
-            return int(proc.name)
-    return None
-
-
-def drain(stream, lines: list) -> threading.Thread:
-    """Collect a pipe's lines with their arrival time, so neither pipe fills while the test waits."""
-    def read():
-        for line in stream:
-            lines.append((time.monotonic(), line))
-    thread = threading.Thread(target=read, daemon=True)
-    thread.start()
-    return thread
 
 
 HUNG_LAYOUTS = {  # name: (ranks, options); rank 1 shares rank 0's tp group in both

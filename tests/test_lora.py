@@ -11,8 +11,7 @@ from meshtrain.models.initialize import init_weights
 from meshtrain.models.lora import LoRALinear, add_lora, check_lora, init_lora, lora_targets
 from meshtrain.models.transformer import Transformer
 from tests.batch import Job, jobs
-from tests.test_moe import MOE_ARGS
-from tests.test_parallel import PP_MODEL, assert_matches_reference, reference, run_layout, train_job
+from tests.parity import MOE_ARGS, PP_MODEL, assert_matches_reference, metrics, reference, run_layout, train_job
 
 
 def tiny(**kw) -> Transformer:
@@ -99,7 +98,7 @@ def write_model(directory) -> tuple[str, ...]:
 
 
 def write_moe_model(directory) -> tuple[str, ...]:
-    from tests.test_moe import hf_dir
+    from tests.hf_models import hf_dir
 
     return ("--model.init-from-hf", str(hf_dir(directory, "qwen3_moe", vocab_size=384)[1]))
 
@@ -120,10 +119,6 @@ FIRST = checkpoint_job("first", "--checkpoint.interval", "2", "--train.steps", "
 REST = checkpoint_job("rest", "--checkpoint.interval", "2", "--checkpoint.resume",
                       f"{{jobs}}/{FIRST.name}/checkpoints/step-000002", after=(FIRST,))
 DORA = checkpoint_job("dora", "--peft.method", "dora", "--train.steps", "1")
-
-
-def metrics(batches, job: Job) -> list[dict]:
-    return [json.loads(line) for line in (batches.result(job) / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow
@@ -174,7 +169,7 @@ def test_moe_lora_under_ep2_exports_a_peft_adapter_and_a_merged_model_with_equal
 
 @pytest.mark.slow
 def test_the_lora_config_fine_tunes_chat_data_into_a_peft_adapter_and_a_merged_model(tmp_path):
-    """configs/lora_chat.yaml as the README runs it, on a tiny Llama with a chat tokenizer, tp2: the
+    """configs/lora_chat.yaml as the README and docs/fine-tuning.md run it, on a tiny Llama with a chat tokenizer, tp2: the
     PEFT adapter on the base model (loaded by peft) and the merged export (by transformers) give the
     same logits, not the base model's."""
     import json
@@ -185,7 +180,7 @@ def test_the_lora_config_fine_tunes_chat_data_into_a_peft_adapter_and_a_merged_m
 
     from tests.conftest import ROOT, torchrun
     from tests.hf_models import write_hf_dir
-    from tests.test_sft import chat_tokenizer, write_chats
+    from tests.chat_data import chat_tokenizer, write_chats
 
     model_dir = write_hf_dir(tmp_path / "model")
     tok = chat_tokenizer(tmp_path / "tok")
@@ -242,7 +237,7 @@ def test_expert_adapters_load_in_peft_and_merge_into_a_transformers_model(tmp_pa
     from meshtrain.hf.io import export_dtypes, save_hf
     from meshtrain.hf.peft import save_peft_adapter
     from meshtrain.models.lora import merge_lora
-    from tests.test_moe import hf_dir, meshtrain_from
+    from tests.hf_models import hf_dir, meshtrain_from
 
     hf, directory = hf_dir(tmp_path, family)
     ours = meshtrain_from(directory)
@@ -280,7 +275,7 @@ def test_dora_starts_as_the_base_model_and_gives_peft_s_logits_merged_or_not(tmp
     from meshtrain.hf.peft import save_peft_adapter
     from meshtrain.models.lora import DoRALinear, merge_lora
     from tests.hf_models import write_hf_dir
-    from tests.test_moe import meshtrain_from
+    from tests.hf_models import meshtrain_from
 
     directory = write_hf_dir(tmp_path / "model", shard=None)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(directory)).eval()

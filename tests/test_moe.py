@@ -11,48 +11,12 @@ import torch.nn.functional as F
 import transformers
 
 from meshtrain.config import ModelConfig
-from meshtrain.hf.adapter import from_hf, hf_config_from_model, hf_shapes, model_config_from_hf, to_hf
-from meshtrain.models.initialize import init_weights
-from meshtrain.models.transformer import Transformer
+from meshtrain.hf.adapter import hf_config_from_model, hf_shapes, model_config_from_hf, to_hf
 from meshtrain.models.moe import MoE
-from tests.hf_models import read_tensors
 from tests.batch import Job, jobs
-from tests.test_checkpoint_parallel import losses, step3
-from tests.test_parallel import (COMPILED_RTOL, LOSS_RTOL, assert_compiled_once, assert_matches_reference, reference,
-                                 run_layout, train_job)
-
-CONFIGS = {
-    "qwen3_moe": lambda **kw: transformers.Qwen3MoeConfig(**({
-        "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
-        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "num_experts": 8, "num_experts_per_tok": 2, "mlp_only_layers": [0], "norm_topk_prob": True,
-        "max_position_embeddings": 128} | kw)),
-    "mixtral": lambda **kw: transformers.MixtralConfig(**({
-        "vocab_size": 256, "hidden_size": 64, "intermediate_size": 48, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
-        "max_position_embeddings": 128} | kw)),
-}
-
-
-def hf_dir(tmp_path, family: str, **kw):
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[family](**kw)).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-            if name.endswith("gate.weight"):  # random routers: every expert gets tokens
-                p.normal_(0.0, 0.5)
-    model.save_pretrained(tmp_path / family)
-    return model, tmp_path / family
-
-
-def meshtrain_from(directory) -> Transformer:
-    cfg, _ = model_config_from_hf(json.loads((directory / "config.json").read_text()))
-    model = Transformer(cfg)
-    init_weights(model, 0)
-    model.load_state_dict(from_hf(read_tensors(directory), cfg), strict=True)
-    return model.eval()
+from tests.hf_models import hf_dir, meshtrain_from, read_tensors
+from tests.parity import (COMPILED_RTOL, LOSS_RTOL, MOE_ARGS, TINY_NO_MODEL, assert_compiled_once,
+                          assert_matches_reference, checkpoint_of_step3, losses, reference, run_layout, train_job)
 
 
 @pytest.mark.parametrize("family,kw", [("qwen3_moe", {}), ("qwen3_moe", {"norm_topk_prob": False}),
@@ -225,8 +189,6 @@ def test_bias_balancing_moves_towards_uniform_load():
     torch.testing.assert_close(moe.gate.expert_bias, torch.tensor([-0.1, 0.1, 0.0, 0.0]))
 
 
-MOE_ARGS = ("--model.family", "qwen3_moe", "--model.num-experts", "4", "--model.num-experts-per-tok", "2",
-            "--model.moe-intermediate-size", "32")
 AUX = ("--model.router-aux-loss-coef", "0.1")
 MOE_LAYOUTS = {  # name: (ranks, options, extra model options, layout line)
     "fsdp2": (2, ["--parallel.dp-shard", "2"], (), "DP2"),
@@ -350,7 +312,6 @@ SHARDED_IMPORTS = {  # name: (ranks, family, layout, HF config); the experts sha
 
 
 def sharded_import_job(name: str) -> Job:
-    from tests.test_checkpoint_parallel import TINY_NO_MODEL
 
     nproc, family, layout, config = SHARDED_IMPORTS[name]
 
@@ -436,7 +397,7 @@ def moe_resume_job(name: str, nproc: int, *options: str, after: tuple[Job, ...] 
 
 
 MOE_WHOLE = moe_resume_job("ep2", 2, "--parallel.ep", "2", "--checkpoint.interval", "3")
-MOE_STEP3 = step3(MOE_WHOLE)
+MOE_STEP3 = checkpoint_of_step3(MOE_WHOLE)
 MOE_AGAIN = moe_resume_job("ep2-again", 2, "--parallel.ep", "2", "--checkpoint.resume", MOE_STEP3, after=(MOE_WHOLE,))
 MOE_RESUMED = [moe_resume_job(name, nproc, "--checkpoint.resume", MOE_STEP3, *layout, after=(MOE_WHOLE,))
                for name, nproc, layout in [

@@ -9,8 +9,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import ROOT, tiny_args
-from tests.test_launch import env
+from tests.conftest import ROOT, env, tiny_args
 
 STEPS = 5
 

@@ -5,56 +5,15 @@ Each layout trains 5 AdamW steps (global batch 8, lr warmup then cosine, clippin
 Tolerances are fp32 summation-order noise: observed differences are ~1e-7 (see the closing note).
 """
 
-import functools
-
 import pytest
-import torch
 
 from meshtrain.cli import parse
 from meshtrain.config import JobConfig
 from tests.batch import Job, jobs
-from tests.conftest import tiny_args
-from tests.reference import reference_run
+from tests.parity import (COMPILED_RTOL, FAMILY_LAYOUTS, LOSS_RTOL, PP_MODEL, TINY, assert_compiled_once,
+                          assert_matches_reference, reference, run_layout, train_job)
 
 pytestmark = pytest.mark.slow
-
-LOSS_RTOL = 1e-5
-WEIGHT_ATOL = 1e-4
-"""AdamW moves each element by lr x m / sqrt(v): where an element's gradients are near-cancelling
-sums, a reduction-order difference of ~1e-7 in them changes that ratio visibly. Measured outliers,
-one element in thousands: up to 4.2e-5 on a Xeon runner (qwen3 tp2 down_proj, LoRA dp2 at lr 1e-2),
-under 2e-5 on the one before; every other element, and the losses and grad norms (1e-5), agree
-much closer. 1e-4 is 3% of one step's largest move at lr 3e-3."""
-WEIGHT_RTOL = 1e-4
-
-TINY = tiny_args()
-
-
-@functools.cache
-def reference(extra: tuple[str, ...]) -> dict:
-    return reference_run(parse(JobConfig, TINY + list(extra), "ref"))
-
-
-def train_job(name: str, nproc: int, layout: list[str], extra: tuple[str, ...] = ()) -> Job:
-    """A batch job (tests/workers/train.py) training TINY (+ extra) under ``layout`` on ``nproc`` ranks."""
-    return Job(name, nproc, "train", (*TINY, *extra, *layout))
-
-
-def run_layout(batches, job: Job) -> dict:
-    return torch.load(batches.result(job) / "out.pt", weights_only=False)
-
-
-COMPILED_RTOL = 1e-4
-"""Compiled layers against the eager reference: inductor's fused kernels sum in another order."""
-
-
-def assert_matches_reference(got: dict, ref: dict, rtol: float = LOSS_RTOL) -> None:
-    torch.testing.assert_close(got["losses"], ref["losses"], rtol=rtol, atol=0)
-    torch.testing.assert_close(got["grad_norms"], ref["grad_norms"], rtol=rtol, atol=0)
-    assert got["state"].keys() == ref["state"].keys()
-    for name, want in ref["state"].items():
-        torch.testing.assert_close(got["state"][name], want, rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL, msg=name)
-    assert ref["losses"][-1] < ref["losses"][0]  # the run trained: a comparison of something
 
 
 LAYOUTS = {
@@ -131,33 +90,22 @@ def test_layout_equals_single_rank(batches, name):
         assert_compiled_once(got)
 
 
-def assert_compiled_once(got: dict) -> None:
-    """Graphs compiled in step 1 and none after it: no step recompiles."""
-    graphs = got["compiled_graphs"]
-    assert graphs[0] >= 1 and graphs == graphs[:1] * len(graphs), graphs
+FAMILY_JOBS = {f"{family}-{name}": train_job(f"parallel/{family}-{name}", nproc, parallel, options + model)
+               for family, (options, layouts) in FAMILY_LAYOUTS.items()
+               for name, (nproc, parallel, model) in layouts.items()}
 
 
-QWEN3 = ("--model.family", "qwen3")
-QWEN3_HEAD8 = QWEN3 + ("--model.head-dim", "8")
-QWEN3_TP2_SP_HSDP = train_job("parallel/qwen3-tp2-sp-hsdp", 8, ["--parallel.tp", "2", "--parallel.sp", "True",
-                                                                 "--parallel.dp-replicate", "2"], QWEN3_HEAD8)
-QWEN3_TP2 = train_job("parallel/qwen3-tp2", 2, ["--parallel.tp", "2"], QWEN3)
+@jobs("name", FAMILY_JOBS)
+def test_family_layout_equals_single_rank(batches, name):
+    """Each family of tests/parity.py's FAMILY_LAYOUTS on its representative layouts."""
+    family, layout = name.split("-", 1)
+    options, layouts = FAMILY_LAYOUTS[family]
+    assert_matches_reference(run_layout(batches, FAMILY_JOBS[name]), reference(options + layouts[layout][2]))
+
+
 TIED = ("--model.tie-word-embeddings", "True")
 TIED_AC_FSDP2 = train_job("parallel/tied-ac-fsdp2", 2, ["--parallel.dp-shard", "2"],
                           TIED + ("--train.activation-checkpointing", "full"))
-
-
-@pytest.mark.job(QWEN3_TP2_SP_HSDP)
-def test_qwen3_tp2_sp_with_hsdp(batches):
-    """q/k norms are replicated over tp and fed sharded heads: their grads must be summed over tp."""
-    assert_matches_reference(run_layout(batches, QWEN3_TP2_SP_HSDP), reference(QWEN3_HEAD8))
-
-
-@pytest.mark.job(QWEN3_TP2)
-def test_qwen3_tp2_without_fsdp(batches):
-    """Without FSDP the replicated q/k norm DTensors sit beside plain norm tensors: the optimizer's
-    foreach step must not mix them (it raised before the param groups were split by kind)."""
-    assert_matches_reference(run_layout(batches, QWEN3_TP2), reference(QWEN3))
 
 
 @pytest.mark.job(TIED_AC_FSDP2)
@@ -165,7 +113,6 @@ def test_tied_embeddings_and_activation_checkpointing_under_fsdp(batches):
     assert_matches_reference(run_layout(batches, TIED_AC_FSDP2), reference(TIED))
 
 
-PP_MODEL = ("--model.num-hidden-layers", "4")  # pp2 x vpp2 = 4 stages of one layer
 PP = ["--parallel.pp", "2"]
 V2 = PP + ["--parallel.vpp", "2"]
 PIPELINE_LAYOUTS = {  # name: (ranks, options, layout line, rank 0's stages)

@@ -23,7 +23,7 @@ from meshtrain.data.tokenizer import ByteTokenizer
 from meshtrain.errors import DataError
 from tests.batch import Job
 from tests.conftest import ROOT, tiny_args
-from tests.test_parallel import assert_matches_reference, reference, run_layout
+from tests.parity import assert_matches_reference, reference, run_layout
 
 SPEC_DTYPES = {"uint8": (1, "B"), "int32": (4, "i"), "uint16": (8, "H"), "int64": (5, "q")}
 

@@ -3,7 +3,6 @@ tokens, conversations packed whole, the step's loss over its targets; and SFT tr
 and pp layouts equal to the single-process run."""
 
 import json
-import pathlib
 
 import pytest
 import torch
@@ -14,46 +13,8 @@ from meshtrain.data.sft import IGNORE, PackedConversations, examples, sft_datase
 from meshtrain.data.tokenizer import build_tokenizer
 from meshtrain.errors import DataError
 from tests.batch import Job, jobs
-from tests.test_parallel import PP_MODEL, TINY, assert_matches_reference, reference, run_layout
-
-QWEN_STYLE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-CONVERSATIONS = [
-    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi there"},
-     {"role": "assistant", "content": "hello"}, {"role": "user", "content": "how are you?"},
-     {"role": "assistant", "content": "fine, thanks"}],
-    [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
-]
-
-
-def chat_tokenizer(directory: pathlib.Path) -> pathlib.Path:
-    """A byte-level BPE tokenizer.json with chat special tokens, and a tokenizer_config.json with a
-    Qwen-style chat template: what a Hugging Face chat model ships."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    directory.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    text = " ".join(m["content"] for c in CONVERSATIONS for m in c) * 20
-    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300, special_tokens=special,
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": QWEN_STYLE,
-        "eos_token": "<|endoftext|>", "bos_token": None, "pad_token": "<|endoftext|>"}))
-    return directory
-
-
-def write_chats(path: pathlib.Path, n: int = 200) -> pathlib.Path:
-    with open(path, "w") as f:
-        for i in range(n):
-            conversation = [dict(m) for m in CONVERSATIONS[i % 2]]
-            conversation[-1]["content"] += f" #{i}" * (i % 5)  # lengths vary
-            f.write(json.dumps({"messages": conversation}) + "\n")
-    return path
+from tests.chat_data import CONVERSATIONS, chat_tokenizer, sft_data, write_chats
+from tests.parity import PP_MODEL, TINY, assert_matches_reference, reference, run_layout
 
 
 def test_chat_rendering_and_tokens_equal_transformers_apply_chat_template(tmp_path):
@@ -129,12 +90,6 @@ def test_chat_data_without_messages_or_template_is_refused(tmp_path):
 
 # ---- SFT training in every layout equals one rank -----------------------------------------------
 
-def sft_data(directory: pathlib.Path) -> tuple[str, ...]:
-    tok = chat_tokenizer(directory / "tok")
-    return ("--data.format", "chat", "--data.tokenizer", str(tok / "tokenizer.json"),
-            "--data.path", str(write_chats(directory / "chats.jsonl")))
-
-
 LAYOUTS = {  # name: (ranks, layout, model options)
     "dp2": (2, ["--parallel.dp-shard", "2"], ()),
     "tp2-sp": (2, ["--parallel.tp", "2", "--parallel.sp", "True"], ()),
@@ -155,7 +110,7 @@ def test_sft_layouts_equal_single_rank(batches, name, tmp_path):
 
 @pytest.mark.slow
 def test_the_sft_config_fine_tunes_an_imported_model_and_exports_it(tmp_path):
-    """configs/sft_chat.yaml as the README runs it, on a tiny generated Llama with a chat tokenizer:
+    """configs/sft_chat.yaml as docs/fine-tuning.md runs it, on a tiny generated Llama with a chat tokenizer:
     2 ranks; the export loads in transformers, fine-tuned, with the tokenizer and its chat template."""
     import shutil
 

@@ -1,0 +1,96 @@
+"""What every parity test shares: a layout's run (a batch job, tests/workers/train.py) equals the
+single-process reference run (tests/reference.py) in per-step loss, grad norm and final weights.
+
+A new model family proves itself by a line in FAMILY_LAYOUTS (its model options and a few
+representative layouts); tests/test_parallel.py runs each against that family's reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import torch
+
+from meshtrain.cli import parse
+from meshtrain.config import JobConfig
+from tests.batch import Job
+from tests.conftest import tiny_args
+from tests.reference import reference_run
+
+TINY = tiny_args()
+# The model section of TINY would contradict an imported config.json; data and steps still apply.
+TINY_NO_MODEL = [a for i, a in enumerate(TINY) if not (a.startswith("--model.") or
+                                                      (i > 0 and TINY[i - 1].startswith("--model.")))]
+PP_MODEL = ("--model.num-hidden-layers", "4")  # pp2 x vpp2 = 4 stages of one layer
+MOE_ARGS = ("--model.family", "qwen3_moe", "--model.num-experts", "4", "--model.num-experts-per-tok", "2",
+            "--model.moe-intermediate-size", "32")
+
+LOSS_RTOL = 1e-5
+WEIGHT_ATOL = 1e-4
+"""AdamW moves each element by lr x m / sqrt(v): where an element's gradients are near-cancelling
+sums, a reduction-order difference of ~1e-7 in them changes that ratio visibly. Measured outliers,
+one element in thousands: up to 4.2e-5 on a Xeon runner (qwen3 tp2 down_proj, LoRA dp2 at lr 1e-2),
+under 2e-5 on the one before; every other element, and the losses and grad norms (1e-5), agree
+much closer. 1e-4 is 3% of one step's largest move at lr 3e-3."""
+WEIGHT_RTOL = 1e-4
+COMPILED_RTOL = 1e-4
+"""Compiled layers against the eager reference: inductor's fused kernels sum in another order."""
+
+QWEN3 = ("--model.family", "qwen3")
+FAMILY_LAYOUTS = {  # family: (model options over TINY, {layout: (ranks, parallel options, more model options)})
+    "qwen3": (QWEN3, {
+        # q/k norms are replicated over tp and fed sharded heads: their grads must be summed over tp
+        "tp2-sp-hsdp": (8, ("--parallel.tp", "2", "--parallel.sp", "True", "--parallel.dp-replicate", "2"),
+                        ("--model.head-dim", "8")),
+        # without FSDP the replicated q/k norm DTensors sit beside plain norm tensors: the optimizer's
+        # foreach step must not mix them (it raised before the param groups were split by kind)
+        "tp2": (2, ("--parallel.tp", "2"), ()),
+    }),
+}
+"""Families other than Llama (tests/test_parallel.py's full matrix) and the MoE families
+(tests/test_moe.py's), each on a few layouts chosen for what the family adds."""
+
+
+@functools.cache
+def reference(extra: tuple[str, ...]) -> dict:
+    """The single-process run of TINY + ``extra`` (cached: many layouts share one reference)."""
+    return reference_run(parse(JobConfig, TINY + list(extra), "ref"))
+
+
+def train_job(name: str, nproc: int, layout: list[str] | tuple[str, ...], extra: tuple[str, ...] = ()) -> Job:
+    """A batch job (tests/workers/train.py) training TINY (+ extra) under ``layout`` on ``nproc`` ranks."""
+    return Job(name, nproc, "train", (*TINY, *extra, *layout))
+
+
+def run_layout(batches, job: Job) -> dict:
+    return torch.load(batches.result(job) / "out.pt", weights_only=False)
+
+
+def assert_matches_reference(got: dict, ref: dict, rtol: float = LOSS_RTOL) -> None:
+    torch.testing.assert_close(got["losses"], ref["losses"], rtol=rtol, atol=0)
+    torch.testing.assert_close(got["grad_norms"], ref["grad_norms"], rtol=rtol, atol=0)
+    assert got["state"].keys() == ref["state"].keys()
+    for name, want in ref["state"].items():
+        torch.testing.assert_close(got["state"][name], want, rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL, msg=name)
+    assert ref["losses"][-1] < ref["losses"][0]  # the run trained: a comparison of something
+
+
+def assert_compiled_once(got: dict) -> None:
+    """Graphs compiled in step 1 and none after it: no step recompiles."""
+    graphs = got["compiled_graphs"]
+    assert graphs[0] >= 1 and graphs == graphs[:1] * len(graphs), graphs
+
+
+def checkpoint_of_step3(job: Job) -> str:
+    """The step-3 checkpoint a ``meshtrain train`` job (tests/workers/train_command.py) writes."""
+    return f"{{jobs}}/{job.name}/checkpoints/step-000003"
+
+
+def metrics(batches, job: Job) -> list[dict]:
+    """The metrics.jsonl records of a ``meshtrain train`` job run with --logging.jsonl True."""
+    return [json.loads(line) for line in (batches.result(job) / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(batches, job: Job) -> list[float]:
+    return [record["loss"] for record in metrics(batches, job)]
