@@ -1,5 +1,5 @@
-# The two commands of the README. Each sets up .venv itself (idempotent) first.
-.PHONY: setup train test
+# The two commands of the README (train, test), each setting up .venv itself (idempotent) first; test-fast for contributors.
+.PHONY: setup train test test-fast
 
 setup:
 	@bash launch/setup_env.sh
@@ -11,3 +11,7 @@ train: setup
 # The whole suite, slow multi-rank tests included.
 test: setup
 	.venv/bin/python -m pytest tests
+
+# The fast tier for contributors (~2 min): unit tests and single-process runs (docs/tests.md).
+test-fast: setup
+	.venv/bin/python -m pytest -m "not slow" tests
