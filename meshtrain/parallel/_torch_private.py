@@ -85,19 +85,26 @@ def gather_along(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> to
 def clear_dtensor_mesh_caches() -> None:
     """Empty DTensor's caches that hold DeviceMeshes. They are keyed by mesh equality (shape, ranks and
     dim names, not process groups), so after a job's groups are destroyed a later job's equal mesh
-    would be handed the old mesh, and its dead groups, from them; they also keep the old meshes, and
-    so their groups' threads, alive. torch 2.13: the redistribute planner cache, the ``@cache``d
-    ``_gen_transform_infos`` and the sharding propagator's LRU cache, which is per thread: this
-    empties the calling thread's (on CPU, backward runs on the thread that called it)."""
-    from torch.distributed.tensor import DTensor
+    would be handed the old mesh, and its dead groups, from them ("Could not resolve the process
+    group"); they also keep the old meshes, and so their groups' threads, alive. torch 2.13: the
+    redistribute planner cache, the ``@cache``d ``_gen_transform_infos``, the sharding propagator's
+    two caches (the C++ dispatch fast path's, and the Python LRU cache, which is per thread: this
+    empties the calling thread's; on CPU, backward runs on the thread that called it), and two
+    ``lru_cache``s found holding meshes by ``gc.get_referrers`` after a job: the propagator's tensor
+    metadata (keyed by op schemas, which hold specs) and ``MeshTopoInfo.build_from_mesh``.
+    """
     from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     clear_planners = getattr(_redistribute, "clear_redistribute_planner_cache", None)
     if clear_planners is not None:  # a torch release without the planner cache has nothing to clear
         clear_planners()
     _redistribute._gen_transform_infos.cache_clear()
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    propagator.propagate_op_sharding.cache_clear()
+    _clear_sharding_prop_cache()
+    ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
+    MeshTopoInfo.build_from_mesh.cache_clear()
 
 
 def subgroups() -> list[dist.ProcessGroup]:

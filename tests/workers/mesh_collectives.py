@@ -36,3 +36,7 @@ def run(args, out, runtime) -> None:
             dist.all_reduce(one, group=group)
             if one.item() != dist.get_world_size(group):
                 raise AssertionError(f"{parallel}: all-reduce over {dim} gave {one.item()}")
+        if submesh.ndim == 1:  # an op through DTensor's dispatch (its sharding caches), as the trainer's
+            total = (distribute_tensor(full, submesh, [Shard(0)]) * 2).sum().full_tensor().item()
+            if total != 2 * full.sum().item():
+                raise AssertionError(f"{parallel}: a sum sharded over {dim} gave {total}")
