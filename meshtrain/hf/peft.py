@@ -42,6 +42,10 @@ def peft_tensors(name: str, adapter: torch.Tensor, cfg: ModelConfig) -> dict[str
 def save_peft_adapter(parts: list[torch.nn.Module], directory: str, cfg: PeftConfig, model_cfg: ModelConfig,
                       base: str | None, dtype: torch.dtype) -> pathlib.Path:
     """Every rank calls this; rank 0 writes (under ``DIR.incomplete``, renamed when done)."""
+    # Every rank checks before the gather below, which rank 0 passes only once all have checked: checked
+    # after it, a slower rank could find the directory rank 0 had just finished and fail alone, and the
+    # job ended in a collective error after its last step (seen in a CI run of the LoRA config test).
+    out = check_export_target(directory)
     mine: dict[str, torch.Tensor] = {}
     for part in parts:
         mine.update(adapter_tensors(part))
@@ -49,7 +53,6 @@ def save_peft_adapter(parts: list[torch.nn.Module], directory: str, cfg: PeftCon
     if dist.is_initialized() and dist.get_world_size() > 1:  # pipeline stages hold different layers
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
-    out = check_export_target(directory)
     if not dist.is_initialized() or dist.get_rank() == 0:
         tensors = {key: t.to(dtype, copy=True) for part in every for n, adapter in part.items()
                    for key, t in peft_tensors(n, adapter, model_cfg).items()}
