@@ -5,6 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$python" -m venv .venv
+# The wheels bench/gpu_check.sh carries to the offline GPU machine; its test installs them offline too.
+[ -n "$(ls .whl/*.whl 2>/dev/null)" ] || bash bench/gpu_wheels.sh .whl >/dev/null
 stamp=.venv/.meshtrain-installed
 want=$(cat pyproject.toml launch/constraints.txt | sha256sum | cut -d' ' -f1)
 [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && exit 0

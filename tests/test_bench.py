@@ -3,6 +3,7 @@ They assert what a run must produce, never how fast it was."""
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -87,19 +88,72 @@ def test_compare_bench_sets_every_layout_beside_its_minimum(tmp_path):
     assert "| tp2 | TP | all_reduce" in (tmp_path / "compare.md").read_text()
 
 
+IMAGE_LACKS = {"tyro", "docstring_parser", "typeguard", "torchdata", "torchao", "datasets", "wandb", "meshtrain"}
+"""What the lent GPU machine's image does not have (../shared/REFERENCE.md section 7), meshtrain included."""
+
+
+def image_like_python(tmp_path: pathlib.Path) -> pathlib.Path:
+    """A Python that holds this venv's packages less those the GPU image lacks: a plain venv whose one
+    .pth names a folder of links to the rest (the image has torch, transformers, pip, ...)."""
+    import sysconfig
+    import venv
+
+    site = pathlib.Path(sysconfig.get_paths()["purelib"])
+    packages = tmp_path / "image-packages"
+    packages.mkdir()
+    for entry in site.iterdir():
+        stem = entry.name.split("-")[0].split(".")[0].lower()
+        if stem not in IMAGE_LACKS and not stem.startswith("__editable__") and entry.suffix != ".pth":
+            (packages / entry.name).symlink_to(entry)
+    venv.create(tmp_path / "image", with_pip=False)
+    (pathlib.Path(sysconfig.get_paths(vars={"base": str(tmp_path / "image")})["purelib"]) / "image.pth").write_text(
+        str(packages) + "\n")
+    return tmp_path / "image" / "bin" / "python"
+
+
+def gpu_check_offline(python: pathlib.Path, wheels: pathlib.Path, site: pathlib.Path, *args: str):
+    """bench/gpu_check.sh as the lent machine runs it: no network (a new network namespace, loopback
+    only), the image's python, the wheels carried beside the tree."""
+    script = f"ip link set lo up && exec bash {ROOT / 'bench' / 'gpu_check.sh'} " + " ".join(f"'{a}'" for a in args)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GPU_CHECK_PYTHON": str(python), "GPU_CHECK_WHEELS": str(wheels),
+           "GPU_CHECK_SITE": str(site)}
+    env.pop("PYTHONPATH", None)
+    return subprocess.run(["unshare", "--net", "sh", "-c", script], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env=env)
+
+
 def test_gpu_check_runs_its_plumbing_at_toy_sizes_on_cpu(tmp_path):
-    """The GPU check's own run (bench/gpu_check.sh) needs a GPU; --tiny runs every piece but the
-    compile row on CPU: transformers' eager loop, meshtrain's jobs, the table, a refusal reported."""
-    cmd = [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--tiny", "--variants",
-           "meshtrain eager,meshtrain compile+float8", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    """The GPU check's own run needs a GPU; here bench/gpu_check.sh runs --tiny offline on an image-like
+    Python, installing what it lacks from the wheels bench/gpu_wheels.sh made (launch/setup_env.sh),
+    and every piece but the compile row runs on CPU: transformers' eager loop, meshtrain's jobs, a
+    refusal reported, the first-step losses, document masking and the SDPA operators."""
+    python = image_like_python(tmp_path)
+    assert subprocess.run([str(python), "-c", "import tyro"], capture_output=True).returncode != 0
+    proc = gpu_check_offline(python, ROOT / ".whl", tmp_path / "site", "--tiny", "--variants",
+                             "meshtrain eager,meshtrain compile+float8", "--out", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "installing tyro docstring_parser typeguard torchdata torchao from" in proc.stdout
+    result = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     for model in ("llama-1.2b (tiny)", "qwen3-moe-small (tiny)"):
         jobs = result[model]
         assert jobs["transformers eager"]["tokens_per_s"] > 0 and jobs["meshtrain eager"]["tokens_per_s"] > 0
         assert "needs CUDA float8 tensor cores" in jobs["meshtrain compile+float8"]["refused"]
-    assert "| llama-1.2b (tiny) | meshtrain eager |" in (tmp_path / "gpu_check.md").read_text()
+        losses = jobs["first_step_loss"]
+        assert losses["meshtrain"] == pytest.approx(losses["transformers"], rel=1e-5)
+    assert all(result["document_masking"][mode]["tokens_per_s"] > 0 for mode in ("on", "off"))
+    assert "scaled_dot_product" in result["sdpa"]["causal"] and "scaled_dot_product" in result["sdpa"]["boolean mask"]
+    table = (tmp_path / "out" / "gpu_check.md").read_text()
+    assert "| llama-1.2b (tiny) | meshtrain eager |" in table and "| document-masked |" in table
+
+
+def test_gpu_check_without_its_wheels_says_what_to_do(tmp_path):
+    empty = tmp_path / "no-wheels"
+    empty.mkdir()
+    proc = gpu_check_offline(image_like_python(tmp_path), empty, tmp_path / "site", "--tiny")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"gpu_check: the image lacks tyro docstring_parser typeguard torchdata torchao and {empty}/ holds no wheels: "
+        f"run 'bash bench/gpu_wheels.sh' where the network is and carry {empty} with the tree"]
 
 
 def test_data_scale_bench_measures_memory_loader_and_prepare(tmp_path):
