@@ -9,8 +9,9 @@ TORCH_FR_BUFFER_SIZE is set before a group is made) only as ``_dump_fr_trace_jso
 CUDA memory snapshots only as ``torch.cuda.memory._record_memory_history`` / ``_dump_snapshot``,
 and the number of graphs torch.compile made only as dynamo's ``counters``, and an all-gather
 whose backward reduce-scatters on any backend only as ``_functional_collectives.all_gather_single``,
-and the list of live process groups and DTensor's caches keyed by mesh equality only as c10d's ``_world``
-and the caches of ``_redistribute`` and the sharding propagator (checked against torch 2.13.0). Everything else goes through this file, so a torch upgrade that makes them public (or
+and the live process groups only as c10d's ``_world``, and DTensor's caches keyed by mesh equality only
+as the caches of ``_redistribute``, the sharding propagator and ``MeshTopoInfo`` (checked against torch
+2.13.0). Everything else goes through this file, so a torch upgrade that makes them public (or
 changes them) is a one-file change.
 """
 
