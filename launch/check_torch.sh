@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# meshtrain on another torch of the supported range (2.11 to 2.15), beside CI's pinned 2.13 CPU wheel:
+# meshtrain on another torch of the supported range (2.11 to 2.14), beside CI's pinned 2.13 CPU wheel:
 #   launch/check_torch.sh 2.11.0
 # builds .venv-torch-VERSION with torch==VERSION from the registry (a CUDA wheel: it runs on CPU once its
 # nvidia-* dependencies are installed, ~3 GB), the project's pinned dependencies beside it (never another
