@@ -161,7 +161,8 @@ def sdpa_worker(args) -> None:
     pathlib.Path(args.result).write_text(json.dumps(reached))
 
 
-def run_worker(args, mode: str, model: dict | None, result: pathlib.Path, seq_len: int) -> dict:
+def run_worker(args, mode: str, model: dict | None, result: pathlib.Path, seq_len: int, what: str) -> dict:
+    """One of this script's workers (--worker, --loss-worker, --sdpa-worker) in its own process."""
     result.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, __file__, f"--{mode}", "--model-json", json.dumps(model or {}), "--result", str(result),
            f"--seq-len={seq_len}", *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("steps", "warmup", "batch",
@@ -169,20 +170,7 @@ def run_worker(args, mode: str, model: dict | None, result: pathlib.Path, seq_le
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     if proc.returncode != 0:
-        raise SystemExit(f"gpu_check {mode} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(result.read_text())
-
-
-def run_transformers(args, model: dict, out: pathlib.Path) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
-    result = out / "transformers.json"
-    cmd = [sys.executable, __file__, "--worker", "--model-json", json.dumps(model), "--result", str(result),
-           *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("steps", "warmup", "seq_len", "batch",
-                                                                     "precision")]]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-    if proc.returncode != 0:
-        raise SystemExit(f"transformers eager failed:\n{proc.stderr[-4000:]}")
+        raise SystemExit(f"{what} failed:\n{proc.stderr[-4000:]}")
     return json.loads(result.read_text())
 
 
@@ -219,7 +207,8 @@ def main() -> None:
     for name, (full, tiny) in MODELS.items():
         model = tiny if args.tiny else full
         name += " (tiny)" if args.tiny else ""
-        results = {"transformers eager": run_transformers(args, model, out / name.split()[0])}
+        results = {"transformers eager": run_worker(args, "worker", model, out / name.split()[0] / "transformers.json",
+                                                   args.seq_len, "transformers eager")}
         for variant in args.variants.split(","):
             run_dir = out / name.split()[0] / variant.replace(" ", "_")
             results[variant] = run_meshtrain(args, model, VARIANTS[variant], run_dir)
@@ -238,7 +227,7 @@ def main() -> None:
     disagree = []
     for name, (full, tiny) in MODELS.items():
         model = tiny if args.tiny else full
-        losses = run_worker(args, "loss-worker", model, out / name / "loss.json", args.seq_len)
+        losses = run_worker(args, "loss-worker", model, out / name / "loss.json", args.seq_len, "the loss check")
         difference = abs(losses["meshtrain"] - losses["transformers"])
         rows.append(f"| {name}{' (tiny)' if args.tiny else ''} | {losses['meshtrain']:.5f} | {losses['transformers']:.5f} | {difference:.2e} | "
                     f"{tolerance:g} x loss |")
@@ -257,7 +246,7 @@ def main() -> None:
         r = masking[mode]
         rows.append(f"| {label} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / masking['off']['tokens_per_s']:.2f}x "
                     f"| {r['memory_gib']:.2f} |")
-    backends = run_worker(args, "sdpa-worker", None, out / "sdpa.json", args.long_seq_len)
+    backends = run_worker(args, "sdpa-worker", None, out / "sdpa.json", args.long_seq_len, "the SDPA check")
     rows += ["", f"| SDPA at seq {args.long_seq_len} ({args.precision}) | operator reached |", "|---|---|"]
     rows += [f"| {call} | {ops} |" for call, ops in backends.items()]
     summary["document_masking"] = masking
