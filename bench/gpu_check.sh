@@ -24,7 +24,7 @@ print(" ".join(m for m in ("tyro", "docstring_parser", "typeguard", "torchdata",
                if importlib.util.find_spec(m) is None))')
 if [ -n "$missing" ]; then
   ls "$wheels"/*.whl >/dev/null 2>&1 || fail "the image lacks $missing and $wheels/ holds no wheels: run 'bash bench/gpu_wheels.sh' where the network is and carry $wheels with the tree"
-  echo "gpu_check: installing $missing from $wheels/ into .gpu-site/ (offline, no dependencies)"
+  echo "gpu_check: installing $missing from $wheels/ into $site/ (offline, no dependencies)"
   "$python" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --find-links "$wheels" \
     --target "$site" --upgrade $missing \
     || fail "pip could not install $missing from $wheels/ (its message is above): remake it with bench/gpu_wheels.sh"

@@ -31,7 +31,7 @@ def run(args, out, runtime) -> None:
     dims = (*mesh.world.mesh_dim_names, *FLATTENED_DIMS, *(EXPERT_DIMS if mesh.experts is not None else ()))
     for dim in dims:
         submesh = mesh[dim]
-        for group in ([submesh.get_group()] if submesh.ndim == 1 else submesh.get_all_groups()):
+        for group in submesh.get_all_groups():
             one = torch.ones(())
             dist.all_reduce(one, group=group)
             if one.item() != dist.get_world_size(group):
