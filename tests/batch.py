@@ -8,6 +8,10 @@ their jobs with ``@pytest.mark.job(Job(...), ...)`` (or ``jobs(...)`` inside a p
 returns the job's output directory. A job that fails fails its own test only: the batch is
 relaunched with the jobs after it. A job may need others first (``after``: e.g. a resume needs the
 run that wrote the checkpoint); ``{jobs}`` in its args is the directory holding every job's.
+
+The batches start in a background thread as the session starts (``Batches.start``), and conftest
+runs the tests that read no job first: those are mostly one process on one core, so the batches'
+ranks get the machine's other cores instead of waiting for their turn.
 """
 
 from __future__ import annotations
@@ -15,12 +19,15 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+import subprocess
+import threading
+import traceback
 from dataclasses import dataclass
 from typing import Callable
 
 import pytest
 
-from tests.conftest import torchrun
+from tests.conftest import stop_group, torchrun
 
 KINDS = tuple(sorted(p.stem for p in (pathlib.Path(__file__).parent / "workers").glob("*.py") if p.stem != "__init__"))
 """What a job does on every rank: tests/workers/<kind>.py, one file a kind."""
@@ -76,12 +83,49 @@ class Batches:
         self.root = root
         self.errors: dict[str, str] = {}
         self._starting: set[int] = set()
+        self._extra_args: dict[str, tuple[str, ...]] = {}
+        self._launching = threading.Lock()
+        """Held for each launch, by the background thread or by a test that needs a job it has not run."""
+        self._launcher: subprocess.Popen | None = None
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Prepare every job here, then launch the batches of every world size in a background thread.
+        Jobs are prepared first, in this thread: a prepare builds models with torch's global RNG,
+        which the tests running meanwhile use too."""
+        for job in list(self.pending.values()):
+            try:
+                self._prepare(job)
+            except Exception:  # fails the job's test, not the session
+                self.errors[job.name] = f"its prepare failed:\n{traceback.format_exc()}"
+                self.pending.pop(job.name)
+        sizes = list(dict.fromkeys(job.nproc for job in self.pending.values()))
+        self._thread = threading.Thread(target=self._launch_all, args=(sizes,), name="batches", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the session's batches: the launch in progress is killed with its ranks."""
+        self._stopped = True  # before reading the launcher: _started reads them the other way round
+        launcher = self._launcher
+        if launcher is not None:
+            stop_group(launcher)
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+
+    def _launch_all(self, sizes: list[int]) -> None:
+        for nproc in sizes:
+            with self._launching:
+                if self._stopped:
+                    return
+                self._launch(nproc)
 
     def result(self, job: Job) -> pathlib.Path:
         """The job's directory, once it has run (with every pending job of its world size)."""
         for dependency in job.after:
             self.result(dependency)
-        self._complete(job)
+        with self._launching:  # a launch in progress may be running it
+            self._complete(job)
         if job.name in self.errors:
             pytest.fail(f"job {job.name} on {job.nproc} ranks failed:\n{self.errors[job.name]}", pytrace=False)
         if not self._done(job):
@@ -112,6 +156,19 @@ class Batches:
             self._starting.discard(nproc)
         self._run(self._ready(nproc))
 
+    def _prepare(self, job: Job) -> tuple[str, ...]:
+        """The job's directory made, and the args its ``prepare`` adds (run once)."""
+        if job.name not in self._extra_args:
+            directory = self.root / job.name
+            directory.mkdir(parents=True, exist_ok=True)
+            self._extra_args[job.name] = tuple(job.prepare(directory)) if job.prepare else ()
+        return self._extra_args[job.name]
+
+    def _started(self, launcher: subprocess.Popen) -> None:
+        self._launcher = launcher
+        if self._stopped:
+            stop_group(launcher)
+
     def _done(self, job: Job) -> bool:
         return (self.root / job.name / "done").exists()
 
@@ -127,20 +184,24 @@ class Batches:
         specs = []
         for job in batch:
             self.pending.pop(job.name)
-            directory = self.root / job.name
-            directory.mkdir(parents=True, exist_ok=True)
-            extra = job.prepare(directory) if job.prepare else ()
-            args = [a.replace("{jobs}", str(self.root)) for a in (*job.args, *extra)]
-            specs.append({"name": job.name, "kind": job.kind, "dir": str(directory), "args": args})
+            args = [a.replace("{jobs}", str(self.root)) for a in (*job.args, *self._prepare(job))]
+            specs.append({"name": job.name, "kind": job.kind, "dir": str(self.root / job.name), "args": args})
         while specs:
             spec_file = self.root / f"batch-{re.sub(r'[^A-Za-z0-9]+', '_', specs[0]['name'])}.json"
             spec_file.write_text(json.dumps(specs, indent=1))
             try:
                 proc = torchrun(batch[0].nproc, ["tests/batch_worker.py", str(spec_file)],
-                                timeout=60 + SECONDS_PER_JOB * len(specs))
-                failure = proc.stdout[-3000:] + proc.stderr[-6000:] if proc.returncode else ""
+                                timeout=60 + SECONDS_PER_JOB * len(specs), started=self._started)
+                log = spec_file.with_suffix(".log")
+                log.write_text(proc.stdout + proc.stderr)  # every rank's whole output, for a post-mortem
+                failure = (proc.stdout[-3000:] + proc.stderr[-6000:] + f"\n(every rank's output: {log})"
+                           if proc.returncode else "")
             except Exception as e:  # a hung batch: subprocess.TimeoutExpired
                 failure = f"{type(e).__name__}: {e}"
+            finally:
+                self._launcher = None
+            if self._stopped:
+                return
             unfinished = [s for s in specs if not (pathlib.Path(s["dir"]) / "done").exists()]
             if not unfinished:
                 return

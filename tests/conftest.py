@@ -3,13 +3,16 @@ start and watch processes themselves."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import threading
 import time
+from typing import Callable
 
 import pytest
 
@@ -43,21 +46,39 @@ def tiny_args() -> list[str]:
             for arg in (f"--{section.replace('_', '-')}.{key.replace('_', '-')}", str(value))]
 
 
-def torchrun(nproc: int, args: list[str], timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run ``args`` (a script or ``-m module`` and its options) on ``nproc`` CPU ranks."""
+def torchrun(nproc: int, args: list[str], timeout: int = 600, env: dict | None = None,
+             started: Callable[[subprocess.Popen], None] = lambda proc: None) -> subprocess.CompletedProcess:
+    """Run ``args`` (a script or ``-m module`` and its options) on ``nproc`` CPU ranks. ``started`` is
+    handed the launcher's process (the batch runner keeps it to stop it at the end of the session)."""
     # PYTHONFAULTHANDLER: a rank that dies of SIGSEGV/SIGABRT prints its Python stack (a rare native crash in the
     # 4-rank batch gave only "Signal 11 received")
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1",
                 "PYTHONPATH": str(ROOT), **(env or {})}
     full_env.pop("MESHTRAIN_DEVICE", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    # A session of its own: a timeout (or the end of the test session) stops the ranks too, not only torchrun.
+    with subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as launcher:
+        started(launcher)
+        try:
+            stdout, stderr = launcher.communicate(timeout=timeout)
+        except BaseException:
+            stop_group(launcher)
+            raise
+    proc = subprocess.CompletedProcess(cmd, launcher.returncode, stdout, stderr)
     if proc.returncode:
         # Tests print the tail of stderr; the rank that failed first is often far above it.
         causes = [line for line in proc.stderr.splitlines()
-                  if re.search(r"terminate called|what\(\)|\w+(Error|Exception):|enforce fail", line)]
+                  if re.search(r"terminate called|what\(\)|\w+(Error|Exception):|enforce fail|Fatal Python error", line)]
         proc.stderr += "\n--- error lines of every rank, in order ---\n" + "\n".join(causes[:30])
     return proc
+
+
+def stop_group(launcher: subprocess.Popen) -> None:
+    """Kill a launcher started in a session of its own, with every rank it started."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(launcher.pid, signal.SIGKILL)
+    launcher.wait()
 
 
 def env(**extra) -> dict:
@@ -103,14 +124,22 @@ _SELECTED_JOBS = pytest.StashKey[dict]()
 
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection: only the selected tests' jobs run
 def pytest_collection_modifyitems(config, items):
+    """Keeps the selected tests' jobs, and runs the tests that read a job last (in their order): the
+    batches run in the background meanwhile (tests/batch.py)."""
     from tests.batch import selected_jobs
 
     config.stash[_SELECTED_JOBS] = selected_jobs(items)
+    reads_a_job = [item for item in items if item.get_closest_marker("job")]
+    items[:] = [item for item in items if not item.get_closest_marker("job")] + reads_a_job
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def batches(request, tmp_path_factory):
-    """Runs the collected tests' multi-rank jobs, one torchrun launch per world size (tests/batch.py)."""
+    """Runs the collected tests' multi-rank jobs, one torchrun launch per world size, in the background
+    from the session's start (tests/batch.py)."""
     from tests.batch import Batches
 
-    return Batches(request.config.stash.get(_SELECTED_JOBS, {}), tmp_path_factory.mktemp("jobs"))
+    runner = Batches(request.config.stash.get(_SELECTED_JOBS, {}), tmp_path_factory.mktemp("jobs"))
+    runner.start()
+    yield runner
+    runner.stop()
