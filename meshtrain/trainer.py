@@ -323,7 +323,7 @@ class Trainer:
                     f"{self.stream.accum} x micro batch {cfg.train.micro_batch_size}; "
                     f"{self.stream.steps_per_epoch} steps per epoch")
         if self.resumed_from is not None:
-            logger.info(f"resumed from {self.resumed_from} at step {self.step}")
+            logger.info(f"resumed from {self.resumed_from} at step {self.step}; {self.checkpointer.data_position}")
         history = []
         rank, device = self.runtime.rank, self.runtime.device
         snapshots = MemorySnapshots(cfg.profiling, self.run_dir, rank, device)

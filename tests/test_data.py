@@ -129,3 +129,33 @@ def test_resume_gives_the_same_batches():
     for e, g in zip(expected, got):
         for (ex, ey), (gx, gy) in zip(e, g):
             assert torch.equal(ex, gx) and torch.equal(ey, gy)
+
+
+def test_resume_under_another_global_batch_keeps_the_position_in_samples():
+    """8 samples a step, 2 steps taken: a 16-sample stream continues at step 1 of the same epoch and
+    reads exactly the samples the 8-sample stream would have read next; 24 is refused by name."""
+    ds = PackedDataset(torch.arange(80 * 4 + 1), seq_len=4)
+    original = stream(ds)
+    for _ in range(2):
+        original.next_step()
+    state = original.state_dict()
+    following = [step_samples(original.next_step()) for _ in range(4)]
+    wider = stream(ds, global_batch=16)
+    note = wider.load_state_dict(state)
+    assert note == ("data: continues at epoch 0, sample 16 (the position is kept in samples: "
+                    "train.global_batch_size 8 -> 16, step 2 -> 1 of the epoch)")
+    assert [step_samples(wider.next_step()) for _ in range(2)] == [sorted(following[0] + following[1]),
+                                                                   sorted(following[2] + following[3])]
+    with pytest.raises(DataError, match=r"stopped after sample 16 of epoch 0 \(step 2 x train.global_batch_size=8\), "
+                                        r"which is not a whole number of train.global_batch_size=24 batches"):
+        stream(ds, global_batch=24).load_state_dict(state)
+
+
+def test_resume_under_another_seq_len_is_refused_naming_both():
+    from meshtrain.checkpoint.checkpointer import check_sequence_length
+    from meshtrain.errors import CheckpointError
+
+    check_sequence_length({"seq_len": 64}, 64, "ckpt")
+    with pytest.raises(CheckpointError, match="its data position counts samples of train.seq_len=64; this run has "
+                                              "train.seq_len=128.*Fix: resume with train.seq_len=64"):
+        check_sequence_length({"seq_len": 64}, 128, "ckpt")

@@ -136,6 +136,48 @@ def test_lora_checkpoints_hold_the_adapters_only_and_resume_exactly(batches):
     assert metrics(batches, DORA)[0]["loss"] == pytest.approx(whole[0]["loss"], rel=1e-6)
 
 
+@pytest.mark.slow
+@pytest.mark.job(FIRST)
+def test_lora_checkpoints_refuse_to_resume_on_another_base(batches, tmp_path):
+    """The checkpoint holds only adapters: resumed onto another base they would train another model."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, env
+    from tests.hf_models import write_hf_dir
+
+    other = write_hf_dir(tmp_path / "other", seed=1)  # the same architecture, other weights
+    checkpoint = batches.result(FIRST) / "checkpoints" / "step-000002"
+    args = [*LORA, "--train.steps", "4", "--train.global-batch-size", "4", "--train.micro-batch-size", "2",
+            "--train.seq-len", "32", "--logging.progress", "off", "--train.run-dir", str(tmp_path / "run"),
+            "--model.init-from-hf", str(other), "--checkpoint.resume", str(checkpoint)]
+    proc = subprocess.run([sys.executable, "-m", "meshtrain", "train", *args], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    saved = json.loads((checkpoint / "meshtrain.json").read_text())["frozen_base"]
+    assert f"its LoRA adapters were trained on model.init_from_hf={saved['init_from_hf']} (safetensors sha256 " \
+           f"{saved['sha256'][:16]}...); this run's frozen base is model.init_from_hf={other}" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_random_lora_base_is_recorded_by_its_seed_and_init():
+    from meshtrain.checkpoint.checkpointer import check_frozen_base
+    from meshtrain.errors import CheckpointError
+
+    base = {"random": {"train.seed": 0, "model.init_std": 0.02}}
+    meta = {"kind": "train", "frozen_base": base}
+    check_frozen_base(meta, base, "ckpt")
+    for other in ({"random": {"train.seed": 1, "model.init_std": 0.02}},
+                  {"random": {"train.seed": 0, "model.init_std": 0.01}},
+                  {"init_from_hf": "/m", "sha256": "ab" * 32}):
+        with pytest.raises(CheckpointError, match="its LoRA adapters were trained on a random base "
+                                                  r"\(train.seed=0, model.init_std=0.02\); this run's frozen base is"):
+            check_frozen_base(meta, other, "ckpt")
+    with pytest.raises(CheckpointError, match="holds whole weights"):
+        check_frozen_base({"kind": "weights"}, base, "ckpt")
+
+
 MOE_EXPORT_DIR = "{jobs}/lora/moe-ep2-export"
 MOE_EXPORT = hf_lora_job("moe-ep2-export", "--parallel.ep", "2", "--peft.targets", "*.q_proj", "*.experts",
                          "--peft.export-adapter", f"{MOE_EXPORT_DIR}/adapter", "--checkpoint.export-hf",

@@ -16,6 +16,7 @@ training draws random numbers today, so a resharded resume loses nothing by it.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import pathlib
 import re
@@ -81,6 +82,73 @@ def check_architecture(meta: dict, model: ModelConfig, where: pathlib.Path) -> N
                                   "checkpoint.resume=never")
 
 
+def frozen_base_of(cfg, params: list[torch.Tensor]) -> dict | None:
+    """What a run's frozen weights are (LoRA: everything but the adapters), or None when nothing is
+    frozen. An adapter-only checkpoint keeps only the adapters, so it records its base: the Hugging
+    Face directory and a sha256 of its safetensors files (rank 0 reads them once; a moved copy still
+    matches), or the seed and init std of a random base. Every rank calls this."""
+    if all(p.requires_grad for p in params):
+        return None
+    if cfg.model.init_from_hf is None:
+        return {"random": {"train.seed": cfg.train.seed, "model.init_std": cfg.model.init_std}}
+    digest = [hf_weights_digest(pathlib.Path(cfg.model.init_from_hf))
+              if not dist.is_initialized() or dist.get_rank() == 0 else None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(digest, src=0)
+    return {"init_from_hf": str(pathlib.Path(cfg.model.init_from_hf).absolute()), "sha256": digest[0]}
+
+
+def hf_weights_digest(directory: pathlib.Path) -> str:
+    """sha256 over a Hugging Face directory's safetensors files, each by name and content."""
+    digest = hashlib.sha256()
+    for path in sorted(directory.glob("*.safetensors")):
+        digest.update(path.name.encode() + b"\0")
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def describe_base(base: dict) -> str:
+    if "random" in base:
+        return "a random base (" + ", ".join(f"{k}={v}" for k, v in base["random"].items()) + ")"
+    return f"model.init_from_hf={base['init_from_hf']} (safetensors sha256 {base['sha256'][:16]}...)"
+
+
+def check_frozen_base(meta: dict, mine: dict, where: pathlib.Path) -> None:
+    """A run with frozen weights (LoRA) resumes only adapters trained on the same base: on another
+    one they would train another model without a word."""
+    if meta["kind"] == "weights":
+        raise CheckpointError(f"{where}: holds whole weights (meshtrain convert --to dcp), not the LoRA adapters "
+                              "this run trains; a LoRA run takes its frozen base from model.init_from_hf. Fix: "
+                              "write the weights as a Hugging Face directory (meshtrain convert) and set "
+                              "model.init_from_hf to it, or set checkpoint.resume=never")
+    saved = meta.get("frozen_base")
+    if saved is None:
+        raise CheckpointError(f"{where}: was not written by a LoRA run on a recorded base (its checkpoints keep "
+                              "every weight, or predate the record), so this LoRA run cannot resume from it. Fix: "
+                              "resume it without peft, or set checkpoint.resume=never")
+    same = (saved.get("random") == mine.get("random") if "random" in saved or "random" in mine
+            else saved["sha256"] == mine["sha256"])
+    if not same:
+        raise CheckpointError(f"{where}: its LoRA adapters were trained on {describe_base(saved)}; this run's frozen "
+                              f"base is {describe_base(mine)}. Adapters resumed on another base train another "
+                              "model. Fix: start from the same base, or set checkpoint.resume=never")
+
+
+def check_sequence_length(data: dict, seq_len: int, where: pathlib.Path) -> None:
+    """The data position counts samples of seq_len + 1 tokens: under another seq_len the same count
+    points elsewhere in another shuffle, so some tokens of the epoch would be read twice and others
+    skipped. Refused rather than guessed."""
+    saved = data.get("seq_len", seq_len)
+    if saved != seq_len:
+        raise CheckpointError(f"{where}: its data position counts samples of train.seq_len={saved}; this run has "
+                              f"train.seq_len={seq_len}, whose samples are other spans in another order, so some tokens "
+                              f"would be trained on twice this epoch and others skipped. Fix: resume with "
+                              f"train.seq_len={saved}, or start a new run from its weights (meshtrain convert "
+                              f"--src {where} --dst DIR, then model.init_from_hf=DIR)")
+
+
 def model_state(parts: list[nn.Module]) -> dict:
     """The parts' trainable weights and buffers: under LoRA only the adapters (a small checkpoint;
     the frozen base comes from model.init_from_hf again on resume)."""
@@ -125,6 +193,7 @@ def _load(state: dict, parts: list[nn.Module], path: pathlib.Path) -> None:
         dcp.load(state, checkpoint_id=str(path))
     except CheckpointException as e:
         first = next(iter(e.failures.values()), e)
+        first = first[0] if isinstance(first, tuple) else first  # a rank's (exception, traceback)
         detail = str(first).strip().splitlines()[-1] if str(first).strip() else ""
         raise CheckpointError(f"{path}: could not be read: truncated, corrupted or written for another model "
                               f"({type(first).__name__}: {detail})") from None
@@ -141,6 +210,9 @@ class Checkpointer:
         self.cfg, self.root, self.trainer, self.layout = cfg, root, trainer, layout
         self.is_main = not dist.is_initialized() or dist.get_rank() == 0
         self.hf_origin = hf_origin_of(trainer.cfg.model)
+        self.frozen_base = frozen_base_of(trainer.cfg, [p for part in trainer.parts for p in part.parameters()])
+        self.data_position = ""
+        """What a resume did with the data position (for the log)."""
         self.pending: tuple[Future, pathlib.Path, pathlib.Path, dict] | None = None
         self._publish_lock = threading.Lock()
         # Async saves run collectives from a background thread: a group of their own (gloo, since
@@ -164,8 +236,8 @@ class Checkpointer:
         return {"format": FORMAT_VERSION, "kind": "train", "step": step,
                 "model": architecture_fields(t.cfg.model), "layout": self.layout,
                 "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                "data": t.stream.state_dict(), "lr_scheduler": t.schedulers[0].state_dict(),
-                **self.hf_origin}
+                "data": {**t.stream.state_dict(), "seq_len": t.cfg.train.seq_len}, "lr_scheduler": t.schedulers[0].state_dict(),
+                **self.hf_origin, **({"frozen_base": self.frozen_base} if self.frozen_base else {})}
 
     def should_save(self, step: int) -> bool:
         every = self.cfg.interval
@@ -261,7 +333,11 @@ class Checkpointer:
         t = self.trainer
         meta = read_meta(path)
         check_architecture(meta, t.cfg.model, path)
+        if self.frozen_base is not None:
+            check_frozen_base(meta, self.frozen_base, path)
         full = meta["kind"] == "train"
+        if full:
+            check_sequence_length(meta["data"], t.cfg.train.seq_len, path)
         same_world = meta.get("world_size") == (dist.get_world_size() if dist.is_initialized() else 1)
         state = self._state(with_optimizer=full)
         if full and not same_world:
@@ -273,7 +349,7 @@ class Checkpointer:
             set_optimizer_state_dict(part, opt, state["optimizer"], options=OPTIM_OPTIONS)
         for sched in t.schedulers:
             restore_schedule(sched, meta["lr_scheduler"])
-        t.stream.load_state_dict(meta["data"])
+        self.data_position = t.stream.load_state_dict(meta["data"])
         rank = dist.get_rank() if dist.is_initialized() else 0
         if same_world:
             torch.set_rng_state(state[f"rng_rank{rank}"])

@@ -64,6 +64,7 @@ class BatchStream:
                 f"the data holds {len(dataset)} sequences of train.seq_len+1 tokens, fewer than one "
                 f"global batch ({global_batch}); add data or lower train.global_batch_size / train.seq_len"
             )
+        self.global_batch = global_batch
         self.accum = global_batch // (micro_batch * dp_size)
         self.sampler = ShuffledSampler(len(dataset), num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=seed)
         self.loader = StatefulDataLoader(
@@ -85,14 +86,33 @@ class BatchStream:
         return batches
 
     def state_dict(self) -> dict:
-        """The position, as global (epoch, step in epoch): the same samples whatever the dp size."""
-        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch}
+        """The position, as global (epoch, step in epoch) and the global batch of those steps: the same
+        samples whatever the dp size."""
+        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_batch": self.global_batch}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
-        if self.step_in_epoch == self.steps_per_epoch:
+    def load_state_dict(self, state: dict) -> str:
+        """Continue at the saved position; returns what the log says about it. Under another global
+        batch the position is kept in samples (the same shuffle: it depends on the data, seq_len and
+        seed only), so no sample of the epoch is read twice or skipped; a position that is not a
+        whole number of the new batches is refused."""
+        saved_batch = state.get("global_batch", self.global_batch)
+        taken = state["step_in_epoch"] * saved_batch  # samples of this epoch already trained on
+        if taken % self.global_batch:
+            raise DataError(
+                f"the checkpoint stopped after sample {taken:,} of epoch {state['epoch']} (step "
+                f"{state['step_in_epoch']} x train.global_batch_size={saved_batch}), which is not a whole number of "
+                f"train.global_batch_size={self.global_batch} batches: resuming would read samples twice or skip some. "
+                f"Fix: resume with a global batch size that divides {taken:,} (such as {saved_batch}), or set "
+                "checkpoint.resume=never")
+        self.epoch, self.step_in_epoch = state["epoch"], taken // self.global_batch
+        if self.step_in_epoch >= self.steps_per_epoch:
             self.epoch, self.step_in_epoch = self.epoch + 1, 0
         self.sampler.set_epoch(self.epoch)
         # This rank's samples already taken this epoch; the sampler skips them on the next iter().
         self.sampler.load_state_dict({"yielded": self.step_in_epoch * self.accum * self.loader.batch_size})
         self._it = None
+        where = f"epoch {self.epoch}, sample {self.step_in_epoch * self.global_batch:,}"
+        if saved_batch == self.global_batch:
+            return f"data: continues at {where}"
+        return (f"data: continues at {where} (the position is kept in samples: train.global_batch_size "
+                f"{saved_batch} -> {self.global_batch}, step {state['step_in_epoch']} -> {self.step_in_epoch} of the epoch)")
