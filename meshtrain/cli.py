@@ -17,7 +17,7 @@ import tyro
 
 from meshtrain.config import JobConfig
 from meshtrain.config_files import load_yaml
-from meshtrain.errors import MeshtrainError
+from meshtrain.errors import MeshtrainError, describe_file_error
 
 # Seconds a rank other than local rank 0 waits before printing a config error (see ``main``).
 QUIET_RANK_GRACE_S = 5.0
@@ -88,7 +88,14 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     try:
         SUBCOMMANDS[name][0](rest)
-    except MeshtrainError as e:
+    except KeyboardInterrupt:
+        # Outputs are published by a rename once complete (checkpoints, exports, prepared data), so
+        # an interrupted command leaves only .incomplete files behind, never a traceback.
+        print(f"meshtrain {name}: interrupted; nothing incomplete was published", file=sys.stderr, flush=True)
+        sys.exit(130)
+    except (MeshtrainError, OSError) as e:
+        if isinstance(e, OSError) and e.filename is None:
+            raise  # not about a file the user named: a bug, with its traceback
         rank = os.environ.get("RANK")
         if os.environ.get("LOCAL_RANK", "0") != "0" and not getattr(e, "every_rank", False):
             # Every rank raises a config error, and the launcher stops the others when the first one
@@ -96,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
             # only if it is still running then (rank 0 did not fail the same way).
             time.sleep(QUIET_RANK_GRACE_S)
         prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
-        print(f"meshtrain: error: {prefix}{e}", file=sys.stderr, flush=True)
+        message = describe_file_error(e) if isinstance(e, OSError) else str(e)
+        print(f"meshtrain: error: {prefix}{message}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 

@@ -1,9 +1,28 @@
 """User-facing errors.
 
 Anything a user can fix (a config value, a layout, a missing file) raises a subclass of
-``MeshtrainError``. The CLI prints its message and exits with status 2 instead of a traceback;
-everything else is a bug and keeps its traceback.
+``MeshtrainError``. The CLI prints its message and exits with status 2 instead of a traceback, and
+does the same for an ``OSError`` that names a file (unreadable, missing, a full disk:
+``describe_file_error``); everything else is a bug and keeps its traceback.
 """
+
+import errno
+import os
+
+FIXES = {errno.ENOSPC: "free space there or point it at a larger disk",
+         errno.EDQUOT: "free space within your quota there or point it elsewhere",
+         errno.EROFS: "point it at a writable file system",
+         errno.EACCES: "give this user access to it (chmod/chown) or use a copy it can access",
+         errno.EPERM: "give this user access to it (chmod/chown) or use a copy it can access",
+         errno.ENOENT: "check the path", errno.EISDIR: "name a file, not a directory",
+         errno.ENOTDIR: "check the path: a part of it is a file"}
+"""The usual fix for each errno a file operation meets."""
+
+
+def describe_file_error(error: OSError, what: str = "") -> str:
+    """One line for a failed file operation: the file, the reason and the usual fix."""
+    reason = os.strerror(error.errno) if error.errno else str(error)
+    return f"{what}{error.filename}: {reason}. Fix: {FIXES.get(error.errno, 'check the path and the disk')}"
 
 
 class MeshtrainError(Exception):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import errno
 import fcntl
 import json
 import os
@@ -20,7 +19,7 @@ import socket
 import sys
 from typing import Iterator
 
-from meshtrain.errors import ConfigError
+from meshtrain.errors import FIXES, ConfigError
 
 LOCK_FILE = ".meshtrain.lock"
 
@@ -49,11 +48,7 @@ def describe_write_error(error: OSError, what: str, path: str | pathlib.Path | N
     """One line for a failed write, with the path (the error's, else ``path``) and a fix for the usual causes."""
     path = error.filename or path or "?"
     reason = os.strerror(error.errno) if error.errno else str(error)
-    fix = {errno.ENOSPC: "free space there or point it at a larger disk",
-           errno.EDQUOT: "free space within your quota there or point it elsewhere",
-           errno.EROFS: "point it at a writable file system",
-           errno.EACCES: "make the directory writable", errno.EPERM: "make the directory writable"}
-    return f"cannot write {what} {path}: {reason}. Fix: {fix.get(error.errno, 'check the path and the disk')}"
+    return f"cannot write {what} {path}: {reason}. Fix: {FIXES.get(error.errno, 'check the path and the disk')}"
 
 
 @contextlib.contextmanager

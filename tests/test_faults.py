@@ -5,6 +5,7 @@ nothing that looks like a finished checkpoint is left behind."""
 import contextlib
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -148,3 +149,58 @@ def test_a_full_disk_during_a_checkpoint_is_named_on_every_rank_and_leaves_no_ch
         assert f"[rank {rank}] checkpoint step-000002 was not saved: rank" in job.stderr, job.stderr[-3000:]
     assert "No space left on device" in job.stderr and not raw_traceback(job.stderr), job.stderr[-3000:]
     assert not any((p / "meshtrain.json").exists() for p in disk.iterdir()), list(disk.iterdir())
+
+
+def test_an_unreadable_data_file_is_named_with_the_fix(tmp_path):
+    """Run as an unprivileged user (root reads everything): prepare's input and train's data.path."""
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("reading as another user needs root and setpriv")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    for directory in (tmp_path, shared):
+        directory.chmod(0o777)  # nobody reaches and writes the run dirs; tmp_path's parents are root's
+    with contextlib.suppress(PermissionError):
+        for parent in tmp_path.parents:
+            if parent != pathlib.Path("/") and not parent.stat().st_mode & 0o001:
+                parent.chmod(parent.stat().st_mode | 0o001)
+    secret = shared / "secret.txt"
+    secret.write_text("text nobody may read\n" * 100)
+    secret.chmod(0o000)
+    as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m", "meshtrain"]
+    runs = [subprocess.run([*as_nobody, *cmd], cwd=ROOT, env=env(HOME=str(shared)), capture_output=True, text=True,
+                           timeout=300)
+            for cmd in (["prepare", "--input", str(secret), "--output", str(shared / "data"), "--workers", "0"],
+                        ["train", *TRAIN, "--data.path", str(secret), "--train.run-dir", str(shared / "run")])]
+    for proc in runs:
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert (f"meshtrain: error: {secret}: Permission denied. Fix: give this user access to it (chmod/chown) "
+                "or use a copy it can access") in proc.stderr, proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr
+
+
+def test_ctrl_c_during_prepare_says_so_once_and_leaves_nothing_that_opens(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    with open(src / "big.txt", "w") as f:
+        for i in range(20):
+            f.write(f"document {i} " + "lorem ipsum dolor sit amet " * 400_000 + "\n")
+    out = tmp_path / "data"
+    # a session of its own: Ctrl-C signals the terminal's whole process group, the tokenizing workers too
+    proc = subprocess.Popen([sys.executable, "-m", "meshtrain", "prepare", "--input", str(src), "--output", str(out),
+                             "--workers", "1", "--chunk-documents", "1"], cwd=ROOT, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "data.bin.incomplete").exists() and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.1)
+        time.sleep(1)  # the writer has begun: a worker is tokenizing
+        os.killpg(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == "meshtrain prepare: interrupted; nothing incomplete was published"
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

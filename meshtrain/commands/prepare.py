@@ -13,13 +13,16 @@ an interrupted prepare leaves nothing that opens as a dataset.
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import itertools
 import json
 import multiprocessing
 import os
 import pathlib
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -112,7 +115,9 @@ def _encoded(cfg: PrepareConfig, workers: int) -> Iterator[tuple[torch.Tensor, l
         yield from (_encode_chunk(c, cfg.append_eos) for c in chunks)
         return
     ctx = multiprocessing.get_context("spawn")  # no fork of a process holding tokenizer threads
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(cfg.tokenizer,)) as pool:
+    with _ignoring_ctrl_c():  # inherited through exec: the workers ignore it from their first instruction
+        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(cfg.tokenizer,))
+    with pool:
         pending: collections.deque = collections.deque()
         for chunk in chunks:
             pending.append(pool.apply_async(_encode_chunk, (chunk, cfg.append_eos)))
@@ -120,6 +125,20 @@ def _encoded(cfg: PrepareConfig, workers: int) -> Iterator[tuple[torch.Tensor, l
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
+
+
+@contextlib.contextmanager
+def _ignoring_ctrl_c() -> Iterator[None]:
+    """SIGINT ignored while processes start. Ctrl-C reaches every process of the terminal's group: the
+    parent cleans up and says so once, where each worker would print a KeyboardInterrupt traceback."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set handlers; nothing delivers SIGINT to the others anyway
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class Progress:

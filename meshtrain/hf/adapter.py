@@ -157,8 +157,8 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> tuple[ModelCon
     # A config built in memory may name only its model_type; save_pretrained writes architectures.
     arch = archs[0] if archs else MODEL_TYPES.get(hf.get("model_type"))
     if arch not in FAMILY_OF_ARCHITECTURE:
-        raise CheckpointError(f"{where}: architectures={archs!r} is not supported; supported: "
-                              + ", ".join(FAMILY_OF_ARCHITECTURE))
+        named = f"architectures={archs!r}" if archs else f"model_type={hf.get('model_type')!r} (and no architectures)"
+        raise CheckpointError(f"{where}: {named} is not supported; supported: " + ", ".join(FAMILY_OF_ARCHITECTURE))
     family = FAMILY_OF_ARCHITECTURE[arch]
     _require(hf, "hidden_act", "silu", where)
     _require(hf, "attention_bias", False, where)
