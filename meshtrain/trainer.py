@@ -257,8 +257,9 @@ class Trainer:
             dist.all_reduce(total, group=dp.get_group())
             targets = int(total)
         if targets == 0:
-            raise TrainingError(f"step {self.step + 1} has no target tokens (every label is -100): with SFT data, "
-                                "the responses were all cut off. Fix: raise train.seq_len or use data.overlong=drop")
+            raise TrainingError(f"step {self.step + 1} has no target tokens (every label is -100): its conversations' "
+                                "responses were cut off by train.seq_len, or they have none. Fix: raise train.seq_len "
+                                "or use data.overlong=drop; drop conversations without an assistant turn")
         per_microbatch = self.stream.accum if self.pipeline is not None else 1
         self.loss_fn.scale = self.mesh.size("dp_cp") * per_microbatch / targets
 

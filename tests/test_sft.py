@@ -79,13 +79,23 @@ def test_the_step_loss_is_the_mean_over_all_its_targets_by_hand():
     assert abs(float(got) - float(means)) > 1e-3
 
 
-def test_chat_data_without_messages_or_template_is_refused(tmp_path):
+def test_chat_data_without_messages_template_or_responses_is_refused(tmp_path):
     (tmp_path / "bad.jsonl").write_text(json.dumps({"text": "no messages"}) + "\n")
     cfg = DataConfig(format="chat", tokenizer=str(chat_tokenizer(tmp_path / "tok")))
     with pytest.raises(DataError, match=r"bad.jsonl:1: no list of \{role, content\} messages in field 'messages'"):
         sft_dataset(cfg, str(tmp_path / "bad.jsonl"), build_tokenizer(cfg), 32)
     with pytest.raises(DataError, match=r"data.format=chat needs a chat template"):
         sft_dataset(DataConfig(format="chat"), str(tmp_path / "bad.jsonl"), build_tokenizer(DataConfig()), 32)
+
+    # conversations without an assistant turn have nothing to train on: said as such, not as "cut off"
+    (tmp_path / "asks.jsonl").write_text("".join(json.dumps({"messages": [c[0], c[1]] if c[0]["role"] == "system"
+                                                             else [c[0]]}) + "\n" for c in CONVERSATIONS))
+    with pytest.raises(DataError, match=r"asks.jsonl holds no target tokens: none of its 2 conversations has a "
+                                        r"response to train on .*'assistant'"):
+        sft_dataset(cfg, str(tmp_path / "asks.jsonl"), build_tokenizer(cfg), 32)
+    write_chats(tmp_path / "long.jsonl", n=2)  # responses past seq_len 8: truncated away
+    with pytest.raises(DataError, match=r"every response was cut off \(2 conversations longer than train.seq_len"):
+        sft_dataset(cfg, str(tmp_path / "long.jsonl"), build_tokenizer(cfg), 8)
 
 
 # ---- SFT training in every layout equals one rank -----------------------------------------------

@@ -139,7 +139,7 @@ class PackedConversations(Dataset):
         width = seq_len + 1
         tokens, targets, documents = [], [], []
         row_tokens, row_targets, row_docs = [], [], []
-        self.truncated = self.dropped = self.conversations = 0
+        self.truncated = self.dropped = self.conversations = self.without_targets = 0
 
         def close_row():
             pad = width - len(row_tokens)
@@ -148,6 +148,7 @@ class PackedConversations(Dataset):
             documents.append(row_docs + [(row_docs[-1] + 1) if row_docs else 0] * pad)
 
         for ids, flags in conversations:
+            self.without_targets += not any(flags)
             if len(ids) > width:
                 if overlong == "drop":
                     self.dropped += 1
@@ -183,6 +184,16 @@ def sft_dataset(cfg: DataConfig, path: str, tokenizer: Tokenizer, seq_len: int) 
         raise DataError(f"data.path: {path} holds no conversation for data.format={cfg.format}"
                         + (f" ({dataset.dropped} dropped as longer than train.seq_len + 1)" if dataset.dropped else ""))
     targets = int(dataset.targets.sum())
+    if targets == 0:
+        if dataset.without_targets == dataset.conversations:
+            why = (f"none of its {dataset.conversations:,} conversations has a response to train on (an assistant "
+                   f"turn, or data.response_field). Fix: check the roles in data.messages_field "
+                   f"({cfg.messages_field!r}) name the model's turns 'assistant', or use data.format=pretrain")
+        else:
+            why = (f"every response was cut off ({dataset.truncated:,} conversations longer than train.seq_len + 1 "
+                   "were truncated). Fix: raise train.seq_len or use data.overlong=drop")
+        raise DataError(f"data.path: {path} holds no target tokens: {why}")
+    without = f", {dataset.without_targets:,} without a response" if dataset.without_targets else ""
     return dataset, (f"data: {path}, {cfg.format} SFT: {dataset.conversations:,} conversations in {len(dataset):,} "
-                     f"samples, {targets:,} target tokens; {dataset.truncated} truncated, {dataset.dropped} dropped "
+                     f"samples, {targets:,} target tokens{without}; {dataset.truncated} truncated, {dataset.dropped} dropped "
                      f"as longer than train.seq_len + 1 (data.overlong={cfg.overlong})")
