@@ -218,7 +218,7 @@ class Checkpointer:
         # Async saves run collectives from a background thread: a group of their own (gloo, since
         # the staged copy lives in CPU memory) keeps them apart from training's, with the job's timeout.
         timeout = datetime.timedelta(seconds=trainer.cfg.parallel.timeout_s)
-        self.async_group = (dist.new_group(backend="gloo", timeout=timeout)
+        self.async_group = (dist.new_group(backend="gloo", timeout=timeout, group_desc="async_checkpoint")
                             if cfg.async_save and dist.is_initialized() else None)
 
     # --- save ------------------------------------------------------------------------------
