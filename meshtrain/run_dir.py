@@ -3,8 +3,9 @@
 A job writes its config, metrics and checkpoints under ``train.run_dir`` (checkpoints under
 ``checkpoint.dir`` when set). Both are checked before a process group exists, so a read-only or
 missing-permission path is one message from every rank, in the dry run too, instead of a traceback
-from the first write. While a job trains, rank 0 holds an exclusive lock on the run dir: a second
-job there would resume from, and its keep-last clean-up delete, the first one's checkpoints.
+from the first write. While a job trains, rank 0 holds an exclusive lock on the run dir and on the
+checkpoint dir: a second job there would resume from, and its keep-last clean-up delete, the first
+one's checkpoints.
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ from typing import Iterator
 from meshtrain.errors import FIXES, ConfigError
 
 LOCK_FILE = ".meshtrain.lock"
+
+
+def checkpoint_dir(cfg) -> pathlib.Path:
+    """Where a job's checkpoints go: checkpoint.dir, by default run_dir/checkpoints."""
+    return pathlib.Path(cfg.checkpoint.dir or pathlib.Path(cfg.train.run_dir) / "checkpoints")
 
 
 def check_writable(path: str | pathlib.Path, field: str) -> None:
@@ -52,22 +58,33 @@ def describe_write_error(error: OSError, what: str, path: str | pathlib.Path | N
 
 
 @contextlib.contextmanager
-def run_dir_lock(run_dir: str | pathlib.Path, enabled: bool = True) -> Iterator[None]:
-    """Hold ``run_dir`` for this job (rank 0 only: ``enabled``). The lock is the kernel's (flock), so
-    it ends with the process, even one killed with SIGKILL: no stale lock to clean up."""
-    if not enabled:
+def job_lock(run_dir: str | pathlib.Path, checkpoint_dir: str | pathlib.Path | None,
+             enabled: bool = True) -> Iterator[None]:
+    """Hold the run dir and the checkpoint dir (``checkpoint.dir``, or run_dir/checkpoints: None when
+    this job neither writes nor finds checkpoints) for this job, on rank 0 only (``enabled``). Both:
+    a job with its own run dir but another job's checkpoint.dir would resume from, and its keep-last
+    delete, that job's checkpoints. The locks are the kernel's (flock), so they end with the process,
+    even one killed with SIGKILL: no stale lock to clean up."""
+    with contextlib.ExitStack() as held:
+        if enabled:
+            held.enter_context(_hold(pathlib.Path(run_dir), "train.run_dir", "write and delete each other's files"))
+            if checkpoint_dir is not None:
+                held.enter_context(_hold(pathlib.Path(checkpoint_dir), "checkpoint.dir",
+                                         "resume from and delete each other's checkpoints"))
         yield
-        return
-    run_dir = pathlib.Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / LOCK_FILE, "a+") as f:
+
+
+@contextlib.contextmanager
+def _hold(directory: pathlib.Path, field: str, harm: str) -> Iterator[None]:
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / LOCK_FILE, "a+") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.seek(0)
-            raise ConfigError(f"train.run_dir={run_dir} is in use by another meshtrain job ({_holder(f.read())}); "
-                              "two jobs in one run dir overwrite and delete each other's checkpoints. Fix: wait "
-                              "for that job or stop it, or give this one another train.run_dir") from None
+            raise ConfigError(f"{field}={directory} is in use by another meshtrain job ({_holder(f.read())}); "
+                              f"two jobs there {harm}. Fix: wait for that job or stop it, or give this one "
+                              f"another {field}") from None
         f.seek(0)
         f.truncate()
         f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),

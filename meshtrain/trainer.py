@@ -48,6 +48,7 @@ from meshtrain.parallel.parallelize import build_model, float8_all_gather
 from meshtrain.parallel.pipeline import Pipeline, stage_ids_for_rank
 from meshtrain.parallel.runtime import Runtime
 from meshtrain.parallel.tensor import grads_to_param_placements, sum_moe_grads_over_tp
+from meshtrain.run_dir import checkpoint_dir
 from meshtrain.telemetry.metrics import MetricsLogger, flops_per_token, memory_gib, peak_tflops
 from meshtrain.telemetry.profiling import MemorySnapshots, PhaseClock, format_phases, trace_path, trace_window
 
@@ -161,7 +162,7 @@ class Trainer:
     def _restore_checkpoint(self) -> tuple[Checkpointer, pathlib.Path | None]:
         """The checkpointer, and the checkpoint this run resumed from (its step restored), if any."""
         ckpt = self.cfg.checkpoint
-        checkpointer = Checkpointer(ckpt, pathlib.Path(ckpt.dir or self.run_dir / "checkpoints"), self,
+        checkpointer = Checkpointer(ckpt, checkpoint_dir(self.cfg), self,
                                     layout=self.mesh.describe(self.cfg.parallel))
         resumed_from = checkpointer.resume_path()
         if resumed_from is not None:

@@ -80,20 +80,26 @@ def test_ranks_die_with_a_killed_launcher(tmp_path):
     assert not survivors, f"ranks {survivors} still ran 20 s after their launcher was killed"
 
 
-def test_a_second_job_in_a_running_jobs_run_dir_is_refused_naming_the_holder(tmp_path):
+def test_a_second_job_in_a_running_jobs_run_dir_or_checkpoint_dir_is_refused_naming_the_holder(tmp_path):
     run_dir = tmp_path / "run"
     first_cmd = [sys.executable, "-m", "meshtrain", "train", *TRAIN, "--train.steps", "100000",
-                 "--train.run-dir", str(run_dir)]
+                 "--train.run-dir", str(run_dir), "--checkpoint.interval", "100000"]
     second = [sys.executable, "-m", "meshtrain", "train", *TRAIN, "--train.steps", "2", "--train.run-dir", str(run_dir)]
+    # its own run dir, but the first job's checkpoints: it would resume from them and delete the old ones
+    third = [*second[:-1], str(tmp_path / "other"), "--checkpoint.dir", str(run_dir / "checkpoints")]
     with background_job(first_cmd, f"lock-{os.getpid()}") as (proc, out, err):
         wait_for_step(proc, out, 2)
-        refused = subprocess.run(second, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+        refused = [subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+                   for cmd in (second, third)]
         assert proc.poll() is None, "the first job must not be disturbed"
         proc.kill()
         proc.wait(timeout=60)
-    assert refused.returncode == 2, refused.stderr[-3000:]
-    assert f"train.run_dir={run_dir} is in use by another meshtrain job (pid {proc.pid} on" in refused.stderr
-    assert "Traceback" not in refused.stderr
+    assert [r.returncode for r in refused] == [2, 2], refused[0].stderr[-3000:] + refused[1].stderr[-3000:]
+    assert f"train.run_dir={run_dir} is in use by another meshtrain job (pid {proc.pid} on" in refused[0].stderr
+    assert (f"checkpoint.dir={run_dir / 'checkpoints'} is in use by another meshtrain job (pid {proc.pid} on"
+            in refused[1].stderr)
+    assert "Fix: wait for that job or stop it, or give this one another checkpoint.dir" in refused[1].stderr
+    assert not any("Traceback" in r.stderr for r in refused)
     # The lock ends with its holder, even one killed with SIGKILL: no stale lock to clear by hand.
     after = subprocess.run(second, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     assert after.returncode == 0, after.stderr[-3000:]
@@ -134,6 +140,18 @@ def test_a_read_only_directory_is_named_by_the_dry_run_and_by_the_ranks(mount_tm
     assert job.returncode != 0
     assert f"{field}={target}: {read_only} is on a read-only file system" in job.stderr, job.stderr[-3000:]
     assert not raw_traceback(job.stderr) and "did not complete" not in job.stderr, job.stderr[-3000:]
+
+
+def test_a_read_only_default_checkpoint_dir_is_named_by_the_dry_run(mount_tmpfs, tmp_path):
+    """checkpoint.dir unset: checkpoints go to run_dir/checkpoints, checked like an explicit one."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    read_only = mount_tmpfs("run/checkpoints", read_only=True)
+    dry = subprocess.run([sys.executable, "-m", "meshtrain", "train", *TRAIN, "--train.run-dir", str(run_dir),
+                          "--checkpoint.interval", "2", "--train.dry-run", "True"],
+                         cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert dry.returncode == 2, dry.stderr[-3000:]
+    assert f"checkpoint.dir={read_only}: {read_only} is on a read-only file system" in dry.stderr, dry.stderr[-3000:]
 
 
 @pytest.mark.parametrize("async_save", [False, True])

@@ -22,7 +22,7 @@ from meshtrain.parallel.layout import Layout, plan_layout
 from meshtrain.parallel.mesh import build_mesh
 from meshtrain.parallel.runtime import (Runtime, collective_error, device_type_from_env, init_distributed,
                                         is_collective_failure, shutdown, world_size_from_env)
-from meshtrain.run_dir import check_writable, describe_write_error, run_dir_lock
+from meshtrain.run_dir import check_writable, checkpoint_dir, describe_write_error, job_lock
 from meshtrain.data.blend import parse_blend
 from meshtrain.models.float8 import check_float8
 from meshtrain.telemetry import flight_recorder
@@ -59,8 +59,8 @@ def resolve(cfg: JobConfig) -> JobConfig:
         check_float8(device_type_from_env(), sequence_parallel=cfg.parallel.tp > 1 and cfg.parallel.sp,
                      emulate=cfg.train.float8_emulate)
     check_writable(cfg.train.run_dir, "train.run_dir")
-    if c.dir:
-        check_writable(c.dir, "checkpoint.dir")
+    if c.dir or c.interval > 0:
+        check_writable(checkpoint_dir(cfg), "checkpoint.dir")  # the default run_dir/checkpoints too
     return cfg
 
 
@@ -94,8 +94,12 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
     """Train with ``cfg`` in this process (one rank of a torchrun job, or a world of one)."""
     cfg = resolve(cfg)
     layout = plan(cfg)
-    # Rank 0 holds the run dir before any group exists: a refused job stops before its ranks meet.
-    with run_dir_lock(cfg.train.run_dir, enabled=int(os.environ.get("RANK", "0")) == 0):
+    # Rank 0 holds the run and checkpoint dirs before any group exists: a refused job stops before its
+    # ranks meet. A checkpoint dir that is neither written nor there to resume from is not made.
+    checkpoints = checkpoint_dir(cfg)
+    uses_checkpoints = cfg.checkpoint.interval > 0 or checkpoints.is_dir()
+    with job_lock(cfg.train.run_dir, checkpoints if uses_checkpoints else None,
+                  enabled=int(os.environ.get("RANK", "0")) == 0):
         runtime = init_distributed(cfg.parallel.timeout_s, cfg.profiling.flight_recorder)
         try:
             history = train(cfg, layout, runtime)
