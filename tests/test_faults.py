@@ -222,3 +222,20 @@ def test_ctrl_c_during_prepare_says_so_once_and_leaves_nothing_that_opens(tmp_pa
     assert stderr.strip().splitlines()[-1] == "meshtrain prepare: interrupted; nothing incomplete was published"
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_a_short_write_on_a_full_disk_is_named_as_a_full_disk(mount_tmpfs):
+    """torch's zip writer reports a write cut short by a full disk as "unexpected pos N vs M"."""
+    from meshtrain.checkpoint.checkpointer import _write_failure
+
+    disk = mount_tmpfs("full", size_kib=4096)
+    with contextlib.suppress(OSError), open(disk / "filler", "wb") as f:
+        while True:
+            f.write(b"\0" * 65536)
+            f.flush()
+    short_write = RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 704 vs 598")
+    assert _write_failure(short_write, disk / "step-000002.incomplete") == (
+        f"rank 0 cannot write checkpoint {disk / 'step-000002.incomplete'}: No space left on device. "
+        "Fix: free space there or point it at a larger disk")
+    (disk / "filler").unlink()  # with room, the same message is not taken for a full disk
+    assert "unexpected pos 704 vs 598" in _write_failure(short_write, disk / "step-000002.incomplete")

@@ -16,8 +16,10 @@ training draws random numbers today, so a resharded resume loses nothing by it.
 from __future__ import annotations
 
 import datetime
+import errno
 import hashlib
 import json
+import os
 import pathlib
 import re
 import shutil
@@ -180,11 +182,23 @@ def _write_failure(error: BaseException, path: pathlib.Path) -> str:
         failures = [(dist.get_rank() if dist.is_initialized() else 0, error)]
     by_cause: dict[str, list[int]] = {}
     for rank, exc in failures:
+        if not isinstance(exc, OSError) and "unexpected pos" in str(exc) and _disk_is_full(path):
+            # torch's zip writer reports a short write on a full disk as "unexpected pos N vs M"
+            exc = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         cause = (describe_write_error(exc, "checkpoint", path) if isinstance(exc, OSError)
                  else f"failed writing checkpoint {path}: {type(exc).__name__}: {exc}")
         by_cause.setdefault(cause, []).append(rank)
     return "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} {cause}"
                      for cause, ranks in by_cause.items())
+
+
+def _disk_is_full(path: pathlib.Path) -> bool:
+    """Less than 1 MiB free where ``path`` is (or would be)."""
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is None:
+        return False
+    stats = os.statvfs(existing)
+    return stats.f_bavail * stats.f_frsize < 1 << 20
 
 
 def _load(state: dict, parts: list[nn.Module], path: pathlib.Path) -> None:

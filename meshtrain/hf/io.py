@@ -246,13 +246,31 @@ def check_export_target(directory: str | pathlib.Path) -> pathlib.Path:
     return out
 
 
+def agreed_export_target(directory: str | pathlib.Path) -> pathlib.Path:
+    """``check_export_target`` on every rank, before any rank writes, and one outcome for all: a rank
+    that checked after rank 0 had published the directory would fail alone (a LoRA export once ended
+    so, in a collective error after the last step), and one rank's failure must stop every rank."""
+    try:
+        out, failure = check_export_target(directory), None
+    except CheckpointError as e:
+        out, failure = pathlib.Path(directory), str(e)
+    failures = [failure]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        failures = [None] * dist.get_world_size()
+        dist.all_gather_object(failures, failure)
+    first = next(((rank, f) for rank, f in enumerate(failures) if f), None)
+    if first is not None:
+        raise CheckpointError(first[1] if len(failures) == 1 else f"{first[1]} (seen by rank {first[0]})")
+    return out
+
+
 @torch.no_grad()
 def save_hf(parts: list[Transformer], directory: str, dtypes: dict[str, torch.dtype], *, max_shard_bytes: int,
             base_config: dict | None = None, extra_files: dict[str, pathlib.Path] | None = None) -> pathlib.Path:
     """Write this job's model (every rank calls this with its parts) as a Hugging Face directory.
     ``dtypes``: HF key -> stored dtype (``export_dtypes``)."""
     cfg: ModelConfig = parts[0].cfg
-    out = check_export_target(directory)
+    out = agreed_export_target(directory)
     tmp = out.with_name(out.name + INCOMPLETE)
     if _is_main():
         shutil.rmtree(tmp, ignore_errors=True)  # left by an export that crashed

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from meshtrain.config import ModelConfig, PeftConfig
 from meshtrain.hf.adapter import to_hf, to_hf_name
-from meshtrain.hf.io import INCOMPLETE, check_export_target
+from meshtrain.hf.io import INCOMPLETE, agreed_export_target
 from meshtrain.models.lora import MAGNITUDE, adapter_tensors
 
 
@@ -42,10 +42,7 @@ def peft_tensors(name: str, adapter: torch.Tensor, cfg: ModelConfig) -> dict[str
 def save_peft_adapter(parts: list[torch.nn.Module], directory: str, cfg: PeftConfig, model_cfg: ModelConfig,
                       base: str | None, dtype: torch.dtype) -> pathlib.Path:
     """Every rank calls this; rank 0 writes (under ``DIR.incomplete``, renamed when done)."""
-    # Every rank checks before the gather below, which rank 0 passes only once all have checked: checked
-    # after it, a slower rank could find the directory rank 0 had just finished and fail alone, and the
-    # job ended in a collective error after its last step (seen in a CI run of the LoRA config test).
-    out = check_export_target(directory)
+    out = agreed_export_target(directory)  # before any rank writes (see there)
     mine: dict[str, torch.Tensor] = {}
     for part in parts:
         mine.update(adapter_tensors(part))
