@@ -53,6 +53,12 @@ def test_targets_that_match_nothing_or_split_the_fused_gate_up_pair_for_peft_are
     with pytest.raises(ConfigError, match=r"peft.method=dora .* stacked experts \(layers.0.mlp.experts.gate_proj"):
         check_lora(PeftConfig(method="dora"), moe)  # the default targets include the experts
     check_lora(PeftConfig(method="dora", targets=["*.self_attn.*"]), moe)
+    # a dense MLP beside MoE layers: peft takes its adapters only as target_parameters, never with DoRA
+    mixed = tiny(family="qwen3_moe", num_experts=4, moe_intermediate_size=32, mlp_only_layers=[0])
+    check_lora(PeftConfig(method="dora", targets=["layers.0.mlp.*_proj"]), mixed)  # fine without a PEFT export
+    with pytest.raises(ConfigError, match=r"dense MLP of this MoE model \(layers.0.mlp.gate_proj\).*Fix: target the "
+                                          r"attention projections only"):
+        check_lora(PeftConfig(method="dora", targets=["layers.0.mlp.*_proj"], export_adapter="out"), mixed)
 
 
 LORA = ("--peft.method", "lora", "--peft.rank", "4", "--peft.alpha", "8", "--optimizer.lr", "3e-3")
@@ -273,11 +279,14 @@ def test_merging_gives_the_adapted_models_logits():
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_expert_adapters_load_in_peft_and_merge_into_a_transformers_model(tmp_path, family):
-    """Per-expert adapters on a model imported from transformers: the PEFT directory (per-expert
-    names, which peft fuses for transformers 5's gate_up_proj) on the HF base model, and the merged
-    export loaded by transformers, both give meshtrain's adapted logits."""
+    """Per-expert adapters on a model imported from transformers, with the default targets (Qwen3-MoE's
+    layer 0 is a dense MLP: its gate/up/down get adapters too): peft holds every LoRA tensor of the
+    PEFT directory (per-expert names, which peft fuses for transformers 5's gate_up_proj; the dense
+    MLP's as target_parameters, which peft's fusion leaves alone) on the HF base model, and that and
+    the merged export loaded by transformers both give meshtrain's adapted logits."""
     peft = pytest.importorskip("peft")
     import transformers
+    from safetensors import safe_open
 
     from meshtrain.hf.io import export_dtypes, save_hf
     from meshtrain.hf.peft import save_peft_adapter
@@ -286,7 +295,7 @@ def test_expert_adapters_load_in_peft_and_merge_into_a_transformers_model(tmp_pa
 
     hf, directory = hf_dir(tmp_path, family)
     ours = meshtrain_from(directory)
-    lora = PeftConfig(method="lora", rank=4, alpha=8, targets=["*.q_proj", "*.experts"])
+    lora = PeftConfig(method="lora", rank=4, alpha=8)
     add_lora(ours, lora)
     init_lora(ours, 0)
     with torch.no_grad():
@@ -297,14 +306,33 @@ def test_expert_adapters_load_in_peft_and_merge_into_a_transformers_model(tmp_pa
     with torch.no_grad():
         adapted, plain = ours(tokens), hf(tokens).logits
     adapter = save_peft_adapter([ours], str(tmp_path / "adapter"), lora, ours.cfg, str(directory), torch.float32)
-    names = {"qwen3_moe": ["down_proj", "gate_proj", "q_proj", "up_proj"], "mixtral": ["q_proj", "w1", "w2", "w3"]}
-    assert json.loads((adapter / "adapter_config.json").read_text())["target_modules"] == names[family]
-    merged = 2 * (1 + 3) if family == "mixtral" else 2 * 1 + 2 * 3 + 1  # qwen3_moe: layer 0 is dense
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    attention = ["k_proj", "o_proj", "q_proj", "v_proj"]
+    if family == "qwen3_moe":
+        assert config["target_modules"] == sorted(attention + ["down_proj", "gate_proj", "up_proj"])
+        assert config["target_parameters"] == ["down_proj.weight", "gate_proj.weight", "up_proj.weight"]
+    else:
+        assert config["target_modules"] == sorted(attention + ["w1", "w2", "w3"])
+        assert "target_parameters" not in config
+    merged = 2 * (4 + 3) if family == "mixtral" else 3 * 4 + 3 + 2 * 3  # qwen3_moe: layer 0 is dense
     assert merge_lora(ours) == merged
     out = save_hf([ours], str(tmp_path / "merged"), export_dtypes(ours.cfg, "auto"), max_shard_bytes=10**9)
+    with safe_open(str(adapter / "adapter_model.safetensors"), "pt") as f:
+        written = {key: f.get_tensor(key) for key in f.keys()}
     with torch.no_grad():
-        from_peft = peft.PeftModel.from_pretrained(hf, str(adapter))(tokens).logits
+        peft_model = peft.PeftModel.from_pretrained(hf, str(adapter))
+        from_peft = peft_model(tokens).logits
         from_merged = transformers.AutoModelForCausalLM.from_pretrained(str(out))(tokens).logits
+    # peft holds every tensor of the file: the others by name with the file's values, and each MoE
+    # layer's per-expert ones fused (A and B of gate_up_proj and of down_proj); nothing is dropped
+    held = {n: p for n, p in peft_model.named_parameters() if ".lora_" in n}
+    unfused = {k.replace(".lora_A.weight", ".lora_A.default.weight").replace(".lora_B.weight", ".lora_B.default.weight"):
+               t for k, t in written.items() if ".experts." not in k}
+    moe_layers = {k.split(".experts.")[0] for k in written if ".experts." in k}
+    assert len(held) == len(unfused) + 4 * len(moe_layers), sorted(set(held) - set(unfused))
+    for name, tensor in unfused.items():
+        torch.testing.assert_close(held[name], tensor, rtol=0, atol=0, msg=name)
+    assert sum(".mlp." in n and ".experts." not in n for n in unfused) == (6 if family == "qwen3_moe" else 0)
     torch.testing.assert_close(from_peft, adapted, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(from_merged, adapted, rtol=1e-4, atol=1e-5)
     assert (adapted - plain).abs().max() > 1e-2

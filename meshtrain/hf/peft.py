@@ -19,7 +19,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from meshtrain.config import ModelConfig, PeftConfig
-from meshtrain.hf.adapter import to_hf, to_hf_name
+from meshtrain.hf.adapter import EXPERT_NAMES, to_hf, to_hf_name
 from meshtrain.hf.io import INCOMPLETE, agreed_export_target
 from meshtrain.models.lora import MAGNITUDE, adapter_tensors
 
@@ -39,6 +39,28 @@ def peft_tensors(name: str, adapter: torch.Tensor, cfg: ModelConfig) -> dict[str
     return {f"base_model.model.{key.removesuffix('.weight')}.{suffix}": value for key, value in hf.items()}
 
 
+def peft_targets(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[list[str], list[str]]:
+    """adapter_config.json's target_modules and target_parameters for these adapter tensors.
+
+    peft (0.21) on transformers 5 rewrites the target_modules of an MoE model for its fused experts:
+    every ``gate_proj``/``up_proj``/``down_proj`` becomes the experts' ``gate_up_proj``/``down_proj``,
+    so the adapters of a dense MLP beside MoE layers (Qwen3-MoE's mlp_only_layers) would be dropped
+    on loading. Those are named as target_parameters (``gate_proj.weight``: only a dense linear's
+    weight ends so) instead, which peft loads under the same tensor names."""
+    modules, parameters = set(), set()
+    expert_leaves = set(EXPERT_NAMES[cfg.family][1].values()) if cfg.is_moe else set()
+    for key in tensors:
+        if not key.endswith(".lora_A.weight"):
+            continue
+        path = key.removesuffix(".lora_A.weight")
+        leaf = path.rsplit(".", 1)[-1]
+        if leaf in expert_leaves and ".experts." not in path:
+            parameters.add(f"{leaf}.weight")
+        else:
+            modules.add(leaf)
+    return sorted(modules), sorted(parameters)
+
+
 def save_peft_adapter(parts: list[torch.nn.Module], directory: str, cfg: PeftConfig, model_cfg: ModelConfig,
                       base: str | None, dtype: torch.dtype) -> pathlib.Path:
     """Every rank calls this; rank 0 writes (under ``DIR.incomplete``, renamed when done)."""
@@ -53,14 +75,15 @@ def save_peft_adapter(parts: list[torch.nn.Module], directory: str, cfg: PeftCon
     if not dist.is_initialized() or dist.get_rank() == 0:
         tensors = {key: t.to(dtype, copy=True) for part in every for n, adapter in part.items()
                    for key, t in peft_tensors(n, adapter, model_cfg).items()}
-        modules = sorted({key.rsplit(".", 3)[-3] for key in tensors if key.endswith(".lora_A.weight")})
+        modules, parameters = peft_targets(tensors, model_cfg)
         tmp = out.with_name(out.name + INCOMPLETE)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps({
             "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
-            "lora_dropout": cfg.dropout, "target_modules": modules, "bias": "none", "fan_in_fan_out": False,
+            "lora_dropout": cfg.dropout, "target_modules": modules, **({"target_parameters": parameters} if parameters else {}),
+            "bias": "none", "fan_in_fan_out": False,
             "use_dora": cfg.method == "dora",
             "base_model_name_or_path": os.path.abspath(base) if base else None, "inference_mode": True,
         }, indent=2) + "\n")

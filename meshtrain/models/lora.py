@@ -239,6 +239,15 @@ def check_lora(cfg: PeftConfig, model: nn.Module) -> None:
         raise ConfigError(f"peft.method=dora with peft.targets={cfg.targets}, which match the stacked experts "
                           f"({first}): DoRA is not supported on experts (nor is it in peft's fused-expert LoRA). Fix: target the "
                           "attention and dense projections only (e.g. '*.self_attn.*'), or use peft.method=lora")
+    dense_mlp = [t for t in targets if t.rsplit(".", 2)[-2] != "experts"
+                 and t.rsplit(".", 1)[-1] in ("gate_proj", "up_proj", "down_proj")]
+    if cfg.method == "dora" and cfg.export_adapter and model.cfg.is_moe and dense_mlp:
+        raise ConfigError(f"peft.method=dora with peft.export_adapter and peft.targets={cfg.targets}, which match a dense "
+                          f"MLP of this MoE model ({dense_mlp[0]}): peft loads those adapters only as target_parameters "
+                          "(its fused-expert conversion takes every gate/up/down_proj target), which it does not "
+                          "support with DoRA. Fix: target the attention projections only ('*.self_attn.*'), use "
+                          "peft.method=lora, or leave peft.export_adapter unset (checkpoint.export_hf still writes "
+                          "the merged model)")
     if cfg.export_adapter and len(experts & {"gate_proj", "up_proj"}) == 1:
         raise ConfigError(f"peft.targets={cfg.targets} adapt the experts' {experts & {'gate_proj', 'up_proj'}} "
                           "without the other, but peft.export_adapter is set and peft loads expert adapters onto "
