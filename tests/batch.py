@@ -9,9 +9,9 @@ returns the job's output directory. A job that fails fails its own test only: th
 relaunched with the jobs after it. A job may need others first (``after``: e.g. a resume needs the
 run that wrote the checkpoint); ``{jobs}`` in its args is the directory holding every job's.
 
-The batches start in a background thread as the session starts (``Batches.start``), and conftest
-runs the tests that read no job first: those are mostly one process on one core, so the batches'
-ranks get the machine's other cores instead of waiting for their turn.
+The batches start in a background thread as the session starts (``Batches.start``), niced, and
+conftest runs the tests that read no job first: those are mostly one process on one core, so the
+batches' ranks get the machine's other cores instead of waiting for their turn.
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ KINDS = tuple(sorted(p.stem for p in (pathlib.Path(__file__).parent / "workers")
 """What a job does on every rank: tests/workers/<kind>.py, one file a kind."""
 
 SECONDS_PER_JOB = 120
+BACKGROUND_NICENESS = 10
+"""The batches run niced: the test in the foreground (one process, the session's critical path) gets
+its core whenever it needs one, and the batches' ranks take every cycle left."""
 
 
 @dataclass(frozen=True)
@@ -191,7 +194,8 @@ class Batches:
             spec_file.write_text(json.dumps(specs, indent=1))
             try:
                 proc = torchrun(batch[0].nproc, ["tests/batch_worker.py", str(spec_file)],
-                                timeout=60 + SECONDS_PER_JOB * len(specs), started=self._started)
+                                timeout=60 + SECONDS_PER_JOB * len(specs), niceness=BACKGROUND_NICENESS,
+                                started=self._started)
                 log = spec_file.with_suffix(".log")
                 log.write_text(proc.stdout + proc.stderr)  # every rank's whole output, for a post-mortem
                 failure = (proc.stdout[-3000:] + proc.stderr[-6000:] + f"\n(every rank's output: {log})"

@@ -46,9 +46,10 @@ def tiny_args() -> list[str]:
             for arg in (f"--{section.replace('_', '-')}.{key.replace('_', '-')}", str(value))]
 
 
-def torchrun(nproc: int, args: list[str], timeout: int = 600, env: dict | None = None,
+def torchrun(nproc: int, args: list[str], timeout: int = 600, env: dict | None = None, niceness: int = 0,
              started: Callable[[subprocess.Popen], None] = lambda proc: None) -> subprocess.CompletedProcess:
-    """Run ``args`` (a script or ``-m module`` and its options) on ``nproc`` CPU ranks. ``started`` is
+    """Run ``args`` (a script or ``-m module`` and its options) on ``nproc`` CPU ranks, at ``niceness``
+    (the background batches yield the CPU to the test running in the foreground). ``started`` is
     handed the launcher's process (the batch runner keeps it to stop it at the end of the session)."""
     # PYTHONFAULTHANDLER: a rank that dies of SIGSEGV/SIGABRT prints its Python stack (a rare native crash in the
     # 4-rank batch gave only "Signal 11 received")
@@ -56,6 +57,8 @@ def torchrun(nproc: int, args: list[str], timeout: int = 600, env: dict | None =
                 "PYTHONPATH": str(ROOT), **(env or {})}
     full_env.pop("MESHTRAIN_DEVICE", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+    if niceness:
+        cmd = ["nice", "-n", str(niceness), *cmd]  # not preexec_fn: batches launch from a second thread
     # A session of its own: a timeout (or the end of the test session) stops the ranks too, not only torchrun.
     with subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as launcher:
