@@ -208,12 +208,11 @@ def test_ctrl_c_during_prepare_says_so_once_and_leaves_nothing_that_opens(tmp_pa
                              "--workers", "1", "--chunk-documents", "1"], cwd=ROOT, env=env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "data.bin.incomplete").exists() and time.monotonic() < deadline:
+        deadline, written = time.monotonic() + 120, tmp_path / "data.bin.incomplete"
+        while not (written.exists() and written.stat().st_size > 0) and time.monotonic() < deadline:
             assert proc.poll() is None, proc.communicate()[1][-3000:]
-            time.sleep(0.1)
-        time.sleep(1)  # the writer has begun: a worker is tokenizing
-        os.killpg(proc.pid, signal.SIGINT)
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)  # the first chunk is written: the worker is tokenizing the next
         _, stderr = proc.communicate(timeout=120)
     finally:
         with contextlib.suppress(ProcessLookupError):

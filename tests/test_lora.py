@@ -169,7 +169,7 @@ def test_lora_checkpoints_refuse_to_resume_on_another_base(batches, tmp_path):
 
 
 def test_a_random_lora_base_is_recorded_by_its_seed_and_init():
-    from meshtrain.checkpoint.checkpointer import check_frozen_base
+    from meshtrain.checkpoint.frozen_base import check_frozen_base
     from meshtrain.errors import CheckpointError
 
     base = {"random": {"train.seed": 0, "model.init_std": 0.02}}

@@ -129,8 +129,11 @@ def _encoded(cfg: PrepareConfig, workers: int) -> Iterator[tuple[torch.Tensor, l
 
 @contextlib.contextmanager
 def _ignoring_ctrl_c() -> Iterator[None]:
-    """SIGINT ignored while processes start. Ctrl-C reaches every process of the terminal's group: the
-    parent cleans up and says so once, where each worker would print a KeyboardInterrupt traceback."""
+    """SIGINT ignored while processes start: they inherit it through exec and ignore it from their
+    first instruction. Ctrl-C reaches every process of the terminal's group: the parent cleans up
+    and says so once, where each worker would print a KeyboardInterrupt traceback. (A Ctrl-C within
+    the milliseconds the workers take to start is ignored by the parent too: blocking it instead
+    does not hold it, since another thread of the process then takes it.)"""
     if threading.current_thread() is not threading.main_thread():
         yield  # only the main thread may set handlers; nothing delivers SIGINT to the others anyway
         return
