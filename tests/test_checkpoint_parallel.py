@@ -22,14 +22,18 @@ IMPORT_LAYOUTS = {
     "qwen3-bf16-fsdp2": (2, "qwen3", torch.bfloat16, []),
     "llama-bf16-pp2": (2, "llama", torch.bfloat16, ["--parallel.pp", "2"]),
     "qwen3-fp32-pp2-tp2": (4, "qwen3", torch.float32, ["--parallel.pp", "2", "--parallel.tp", "2"]),
+    # one vocab-parallel matrix for the embedding and the head: one tensor in and out
+    "llama-tied-bf16-tp2-sp": (2, "llama", torch.bfloat16, ["--parallel.tp", "2", "--parallel.sp", "True"]),
 }
+OVERRIDES = {"llama-tied-bf16-tp2-sp": {"tie_word_embeddings": True}}
 
 
 def import_job(name: str) -> Job:
     nproc, family, dtype, layout = IMPORT_LAYOUTS[name]
 
     def write_source(directory) -> tuple[str, ...]:
-        return ("--model.init-from-hf", str(write_hf_dir(directory / "src", family, dtype)))
+        return ("--model.init-from-hf",
+                str(write_hf_dir(directory / "src", family, dtype, **OVERRIDES.get(name, {}))))
 
     return Job(f"checkpoint/import-{name}", nproc, "hf", (*TINY_NO_MODEL, *layout), prepare=write_source)
 

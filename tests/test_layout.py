@@ -54,7 +54,6 @@ def test_layout_line():
     (4, {"tp": 4}, {"num_key_value_heads": 2}, {}, r"tp=4 must divide model.num_key_value_heads=2.*use tp <= 2"),
     (2, {"tp": 2}, {"intermediate_size": 129}, {}, r"must divide model.intermediate_size=129"),
     (2, {"tp": 2}, {"vocab_size": 385}, {}, r"must divide model.vocab_size=385.*model.vocab_size=386"),
-    (2, {"tp": 2}, {"tie_word_embeddings": True}, {}, r"tie_word_embeddings=true with parallel.tp > 1"),
     (4, {"pp": 4}, {"num_hidden_layers": 2}, {"micro_batch_size": 1}, r"num_hidden_layers=2 cannot be split.*pp\*vpp = 4\*1"),
     (4, {"pp": 2, "vpp": 2}, {"num_hidden_layers": 6}, {"micro_batch_size": 1}, r"pp\*vpp = 2\*2 = 4 stages"),
     (4, {}, {}, {"global_batch_size": 6, "micro_batch_size": 1},

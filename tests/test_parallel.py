@@ -6,6 +6,7 @@ Tolerances are fp32 summation-order noise: observed differences are ~1e-7 (see t
 """
 
 import pytest
+import torch
 
 from meshtrain.cli import parse
 from meshtrain.config import JobConfig
@@ -111,6 +112,20 @@ TIED_AC_FSDP2 = train_job("parallel/tied-ac-fsdp2", 2, ["--parallel.dp-shard", "
 @pytest.mark.job(TIED_AC_FSDP2)
 def test_tied_embeddings_and_activation_checkpointing_under_fsdp(batches):
     assert_matches_reference(run_layout(batches, TIED_AC_FSDP2), reference(TIED))
+
+
+TIED_TP_JOBS = {  # one vocab-parallel parameter for the embedding and the head, with SP and under FSDP
+    "tp2-sp": train_job("parallel/tied-tp2-sp", 2, ["--parallel.tp", "2", "--parallel.sp", "True"], TIED),
+    "tp2-fsdp2": train_job("parallel/tied-tp2-fsdp2", 4, ["--parallel.tp", "2", "--parallel.dp-shard", "2"], TIED),
+}
+
+
+@jobs("name", TIED_TP_JOBS)
+def test_tied_embeddings_under_tensor_parallelism(batches, name):
+    got = run_layout(batches, TIED_TP_JOBS[name])
+    assert_matches_reference(got, reference(TIED))
+    assert "lm_head.weight" not in got["state"] or torch.equal(got["state"]["lm_head.weight"],
+                                                               got["state"]["embed_tokens.weight"])
 
 
 PP = ["--parallel.pp", "2"]

@@ -151,9 +151,6 @@ def plan_layout(cfg: JobConfig, world_size: int) -> Layout:
         padded = -(-m.vocab_size // p.tp) * p.tp
         _fail(f"parallel.tp={p.tp} must divide model.vocab_size={m.vocab_size}",
               f"pad the vocabulary: model.vocab_size={padded}")
-    if m.tie_word_embeddings and p.tp > 1:
-        _fail("model.tie_word_embeddings=true with parallel.tp > 1 is not supported",
-              "untie the embeddings or use tp=1")
 
     # Pipeline (stage split here; schedule rules need the micro-batch count, below).
     stage_layers = stage_layer_counts(m.num_hidden_layers, p.pp, p.vpp, p.pp_layers_per_stage)

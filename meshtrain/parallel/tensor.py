@@ -7,7 +7,7 @@ the sequence: each all-reduce becomes a reduce-scatter after o/down plus an all-
 q/k/v and gate/up, the same bytes with 1/tp of the norm activations per rank.
 
 The embedding is vocab-parallel (row-wise over its [vocab, hidden] table). The output projection is
-vocab-parallel too, and with ``loss_parallel`` the logits stay sharded into the cross-entropy
+vocab-parallel too (the same rows: a tied model keeps one parameter for both), and with ``loss_parallel`` the logits stay sharded into the cross-entropy
 (``torch.distributed.tensor.parallel.loss_parallel``), so no rank holds the full [tokens, vocab].
 Qwen3's per-head q/k norms see only the local heads; their weights are replicated DTensors so that
 autograd sums their gradients over the tp group.
@@ -62,6 +62,11 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, sequence_p
     top = {name: style for name, style in top.items() if getattr(model, name) is not None}
     if top:
         parallelize_module(model, tp_mesh, top)
+        # Each style distributes its own module's weight, which unties a tied head. Both are the
+        # same rows of one [vocab, hidden] matrix, Shard(0) over tp (the embedding vocab-parallel
+        # row-wise, the head column-wise), so the head takes the embedding's sharded parameter
+        # again: one parameter, whose gradient sums both uses.
+        model.tie_weights()
 
     for layer in model.layers.values():
         plan = {
