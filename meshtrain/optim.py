@@ -66,13 +66,17 @@ def _replication(grad: torch.Tensor, ranks_per_stage: int) -> int:
 
 
 @torch.no_grad()
-def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, mesh: ParallelMesh) -> torch.Tensor:
-    """Global L2 norm of all gradients (returned); scales them to ``max_norm`` if it is > 0."""
+def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, mesh: ParallelMesh,
+                    counted_elsewhere: list[torch.Tensor] = ()) -> torch.Tensor:
+    """Global L2 norm of all gradients (returned); scales them to ``max_norm`` if it is > 0.
+    ``counted_elsewhere``: copies of a parameter held elsewhere too (a tied head under pp), scaled
+    but not counted in the norm again."""
     grads = [p.grad for p in params if p.grad is not None]
+    skipped = {id(p.grad) for p in counted_elsewhere if p.grad is not None}
     ranks_per_stage = mesh.world.size() // mesh.size("pp")
     device = grads[0].device if grads else torch.device(mesh.device_type)
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for g in grads:
+    for g in (g for g in grads if id(g) not in skipped):
         local = g.to_local() if isinstance(g, DTensor) else g
         total += local.double().pow(2).sum() / _replication(g, ranks_per_stage)
     dist.all_reduce(total)

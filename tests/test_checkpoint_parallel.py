@@ -24,8 +24,10 @@ IMPORT_LAYOUTS = {
     "qwen3-fp32-pp2-tp2": (4, "qwen3", torch.float32, ["--parallel.pp", "2", "--parallel.tp", "2"]),
     # one vocab-parallel matrix for the embedding and the head: one tensor in and out
     "llama-tied-bf16-tp2-sp": (2, "llama", torch.bfloat16, ["--parallel.tp", "2", "--parallel.sp", "True"]),
+    # the last stage's head is read from, and written back as, the embedding's one tensor
+    "llama-tied-fp32-pp2": (2, "llama", torch.float32, ["--parallel.pp", "2"]),
 }
-OVERRIDES = {"llama-tied-bf16-tp2-sp": {"tie_word_embeddings": True}}
+OVERRIDES = {"llama-tied-bf16-tp2-sp": {"tie_word_embeddings": True}, "llama-tied-fp32-pp2": {"tie_word_embeddings": True}}
 
 
 def import_job(name: str) -> Job:

@@ -63,7 +63,6 @@ def test_layout_line():
     (1, {}, {"max_position_embeddings": 16}, {"seq_len": 32}, r"seq_len=32 exceeds model.max_position_embeddings=16"),
     # Pipeline stages and schedules (micro batch 1: 8 micro-batches unless stated).
     (2, {"vpp": 2}, {}, {}, r"parallel.vpp=2 needs parallel.pp > 1"),
-    (2, {"pp": 2}, {"tie_word_embeddings": True}, {"micro_batch_size": 1}, r"tie_word_embeddings=true with parallel.pp > 1"),
     (2, {"pp": 2, "pp_layers_per_stage": [1, 1, 0]}, {}, {"micro_batch_size": 1}, r"has 3 entries but there are pp\*vpp = 2\*1 = 2"),
     (2, {"pp": 2, "pp_layers_per_stage": [2, 1]}, {}, {"micro_batch_size": 1}, r"summing to model.num_hidden_layers=2 \(they sum to 3\)"),
     (2, {"pp": 2, "vpp": 2, "pp_layers_per_stage": [2, 0, 1, 1]}, {"num_hidden_layers": 4}, {"micro_batch_size": 1},

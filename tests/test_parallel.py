@@ -104,6 +104,8 @@ def test_family_layout_equals_single_rank(batches, name):
     assert_matches_reference(run_layout(batches, FAMILY_JOBS[name]), reference(options + layouts[layout][2]))
 
 
+PP = ["--parallel.pp", "2"]
+V2 = PP + ["--parallel.vpp", "2"]
 TIED = ("--model.tie-word-embeddings", "True")
 TIED_AC_FSDP2 = train_job("parallel/tied-ac-fsdp2", 2, ["--parallel.dp-shard", "2"],
                           TIED + ("--train.activation-checkpointing", "full"))
@@ -114,22 +116,28 @@ def test_tied_embeddings_and_activation_checkpointing_under_fsdp(batches):
     assert_matches_reference(run_layout(batches, TIED_AC_FSDP2), reference(TIED))
 
 
-TIED_TP_JOBS = {  # one vocab-parallel parameter for the embedding and the head, with SP and under FSDP
-    "tp2-sp": train_job("parallel/tied-tp2-sp", 2, ["--parallel.tp", "2", "--parallel.sp", "True"], TIED),
-    "tp2-fsdp2": train_job("parallel/tied-tp2-fsdp2", 4, ["--parallel.tp", "2", "--parallel.dp-shard", "2"], TIED),
+TIED_LAYOUTS = {  # name: (ranks, layout, model)
+    # one vocab-parallel parameter for the embedding and the head, with SP and under FSDP
+    "tp2-sp": (2, ["--parallel.tp", "2", "--parallel.sp", "True"], ()),
+    "tp2-fsdp2": (4, ["--parallel.tp", "2", "--parallel.dp-shard", "2"], ()),
+    # a copy on the first and the last stage, gradients summed between their ranks every step
+    "pp2": (2, PP, PP_MODEL),
+    "pp2-tp2-sp": (4, PP + ["--parallel.tp", "2", "--parallel.sp", "True"], PP_MODEL),
+    # the V schedule puts the first and the last stage on rank 0: the sum is local
+    "pp2-zbv": (2, V2 + ["--parallel.pp-schedule", "ZBVZeroBubble"], PP_MODEL),
 }
+TIED_JOBS = {name: train_job(f"parallel/tied-{name}", nproc, layout, TIED + model)
+             for name, (nproc, layout, model) in TIED_LAYOUTS.items()}
 
 
-@jobs("name", TIED_TP_JOBS)
-def test_tied_embeddings_under_tensor_parallelism(batches, name):
-    got = run_layout(batches, TIED_TP_JOBS[name])
-    assert_matches_reference(got, reference(TIED))
-    assert "lm_head.weight" not in got["state"] or torch.equal(got["state"]["lm_head.weight"],
-                                                               got["state"]["embed_tokens.weight"])
+@jobs("name", TIED_JOBS)
+def test_tied_embeddings_under_tensor_and_pipeline_parallelism(batches, name):
+    got = run_layout(batches, TIED_JOBS[name])
+    assert_matches_reference(got, reference(TIED + TIED_LAYOUTS[name][2]))
+    # the head is the embedding, bit for bit, after 5 steps on whichever ranks hold them
+    assert torch.equal(got["state"]["lm_head.weight"], got["state"]["embed_tokens.weight"])
 
 
-PP = ["--parallel.pp", "2"]
-V2 = PP + ["--parallel.vpp", "2"]
 PIPELINE_LAYOUTS = {  # name: (ranks, options, layout line, rank 0's stages)
     "pp2-1f1b": (2, PP, "TP1 PP2 DP1 CP1 EP1 [1F1B]", [0]),
     "pp2-gpipe": (2, PP + ["--parallel.pp-schedule", "GPipe"], "[GPipe]", [0]),

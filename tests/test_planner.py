@@ -333,3 +333,18 @@ def test_estimate_is_the_busiest_pipeline_rank():
         last_params = rank_parameters(s, sizes, "1F1B", pp_rank=1)
         last = last_params * 16 + 2 * m.activations_per_layer + seq * s.vocab_size * (4 + 8)
         assert m.total == pytest.approx(max(first, last))
+
+
+def test_a_tied_embedding_under_pp_counts_the_last_stages_copy():
+    """The last stage holds its own copy of a tied embedding as its head (parallel/tied.py), also
+    beside the first stage under a V schedule; without a pipeline the one matrix is counted once."""
+    model = tiny_config(model={"num_hidden_layers": 4, "tie_word_embeddings": True}).model
+    s = shape_from_model_config(model, "tiny")
+    embedding = s.vocab_size * s.hidden_size
+    untied = shape_from_model_config(dataclasses.replace(model, tie_word_embeddings=False), "tiny")
+    sizes = Sizes(world=2, pp=2, stage_layers=(2, 2))
+    assert rank_parameters(s, sizes, "1F1B", pp_rank=1) == rank_parameters(untied, sizes, "1F1B", pp_rank=1)
+    assert rank_parameters(s, Sizes(world=1), "1F1B") == rank_parameters(untied, Sizes(world=1), "1F1B") - embedding
+    v = Sizes(world=2, pp=2, vpp=2, stage_layers=(1, 1, 1, 1))
+    assert rank_parameters(s, v, "ZBVZeroBubble", pp_rank=0) == rank_parameters(untied, v, "ZBVZeroBubble",
+                                                                                pp_rank=0)

@@ -66,11 +66,14 @@ def _per_expert(value, num_experts: int) -> dict:
 
 def to_hf(state_dict: dict[str, T], cfg: ModelConfig) -> dict[str, T]:
     """meshtrain names -> HF names (values are tensors, or shapes). A tied output projection is not
-    written (HF omits it too); stacked experts become HF's per-expert tensors (views)."""
+    written (HF omits it too), or, without the embedding beside it (a pipeline's last stage), is the
+    embedding; stacked experts become HF's per-expert tensors (views)."""
     out: dict[str, T] = {}
     for name, value in state_dict.items():
         if cfg.tie_word_embeddings and name == LM_HEAD:
-            continue
+            if "embed_tokens.weight" in state_dict:
+                continue
+            name = "embed_tokens.weight"  # a pipeline's last stage: its head is the embedding's copy
         if cfg.is_moe and ".mlp." in name and (".mlp.gate." in name or ".mlp.experts." in name):
             block, names = EXPERT_NAMES[cfg.family]
             prefix, rest = name.split(".mlp.", 1)

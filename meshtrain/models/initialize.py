@@ -37,6 +37,8 @@ def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
 @torch.no_grad()
 def init_weights(model: Transformer, seed: int) -> None:
     for name, param in model.named_parameters():  # tied weights appear once
+        if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
+            name = "embed_tokens.weight"  # a pipeline's last stage: its copy of the tied embedding
         full = _full_value(name, param.shape, init_std_for(name, model.cfg), seed)
         copy_full_into(param, full.to(device=param.device, dtype=param.dtype))
     model.reset_buffers()

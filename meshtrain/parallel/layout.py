@@ -157,9 +157,6 @@ def plan_layout(cfg: JobConfig, world_size: int) -> Layout:
     if p.vpp > 1 and p.pp == 1:
         _fail(f"parallel.vpp={p.vpp} needs parallel.pp > 1 (virtual stages interleave over pipeline ranks)",
               "set parallel.vpp=1 or parallel.pp >= 2")
-    if m.tie_word_embeddings and p.pp > 1:
-        _fail("model.tie_word_embeddings=true with parallel.pp > 1 is not supported (the embedding and "
-              "the output projection live on different pipeline stages)", "untie the embeddings or use pp=1")
 
     # Batch.
     if t.global_batch_size % (t.micro_batch_size * dp):

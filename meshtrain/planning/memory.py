@@ -10,6 +10,8 @@ min(pp, micro-batches) of them in flight.
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from dataclasses import dataclass
 
@@ -83,7 +85,11 @@ def stage_tensors(tensors: list[ParamTensor], s: ModelShape, sizes: Sizes, stage
         if t.layer is not None:
             return t.layer in keep
         return (0 in stage_ids) if t.name.startswith("embed") else (last in stage_ids)
-    return [t for t in tensors if kept(t)]
+    out = [t for t in tensors if kept(t)]
+    if s.tied and sizes.pp > 1 and last in stage_ids:  # the last stage's own copy of a tied embedding
+        embedding = next(t for t in tensors if t.name == "embed_tokens.weight")
+        out.append(dataclasses.replace(embedding, name="lm_head.weight", linear=True))
+    return out
 
 
 def stage_ids_of(pp_rank: int, sizes: Sizes, schedule: str) -> list[int]:
