@@ -109,10 +109,33 @@ def model_state(parts: list[nn.Module]) -> dict:
 
 
 def optimizer_state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict:
+    """The parts' AdamW state by global parameter name; a pipeline's copy of a tied embedding
+    (``parallel/tied.py``) under the embedding's name, as one model keeps it: the same state."""
     state = {}
     for part, opt in zip(parts, optimizers):
-        state.update(get_optimizer_state_dict(part, opt, options=OPTIM_OPTIONS))
+        own = get_optimizer_state_dict(part, opt, options=OPTIM_OPTIONS)
+        if _holds_tied_copy(part):
+            own = {_TIED_HEAD_STATE.sub(r"\1.embed_tokens.weight.", k): v for k, v in own.items()}
+        state.update(own)
     return state
+
+
+_TIED_HEAD_STATE = re.compile(r"^(state|param_groups)\.lm_head\.weight\.")
+_TIED_EMBEDDING_STATE = re.compile(r"^(state|param_groups)\.embed_tokens\.weight\.")
+
+
+def _holds_tied_copy(part: nn.Module) -> bool:
+    """A pipeline's last stage, whose head is its own copy of the tied embedding."""
+    return part.cfg.tie_word_embeddings and part.lm_head is not None and part.embed_tokens is None
+
+
+def _own_optimizer_state(part: nn.Module, loaded: dict) -> dict:
+    """What ``set_optimizer_state_dict`` takes for ``part``: a tied copy's state renamed back (cloned:
+    under a V schedule the first stage on this rank loads the same tensors)."""
+    if not _holds_tied_copy(part):
+        return loaded
+    return loaded | {_TIED_EMBEDDING_STATE.sub(r"\1.lm_head.weight.", k): v.clone() if isinstance(v, torch.Tensor) else v
+                     for k, v in loaded.items() if _TIED_EMBEDDING_STATE.match(k)}
 
 
 def _barrier() -> None:
@@ -306,7 +329,7 @@ class Checkpointer:
         if not full:
             return 0
         for part, opt in zip(t.parts, t.optimizers):
-            set_optimizer_state_dict(part, opt, state["optimizer"], options=OPTIM_OPTIONS)
+            set_optimizer_state_dict(part, opt, _own_optimizer_state(part, state["optimizer"]), options=OPTIM_OPTIONS)
         for sched in t.schedulers:
             restore_schedule(sched, meta["lr_scheduler"])
         self.data_position = t.stream.load_state_dict(meta["data"])
