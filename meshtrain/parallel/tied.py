@@ -1,4 +1,4 @@
-"""Tied embeddings across pipeline stages: Megatron's embedding group, in two functions.
+"""Tied embeddings across pipeline stages: Megatron's embedding group.
 
 A tied model uses one [vocab, hidden] matrix as the embedding (first stage) and the output head
 (last stage). Under pp they are two copies on two ranks: both start from the embedding's value
@@ -12,6 +12,8 @@ local shards.
 """
 
 from __future__ import annotations
+
+import datetime
 
 import torch
 import torch.distributed as dist
@@ -27,7 +29,7 @@ class TiedCopies:
     """This rank's copies of a tied embedding across pipeline stages (none when it holds neither)."""
 
     def __init__(self, parts: list[nn.Module], mesh: ParallelMesh, first_and_last_pp_ranks: tuple[int, int],
-                 timeout) -> None:
+                 timeout: datetime.timedelta) -> None:
         params = {name: p for part in parts for name, p in part.named_parameters()}
         self.embedding, self.head = params.get(EMBEDDING), params.get(HEAD)
         self.group = None
