@@ -106,6 +106,16 @@ def check_ranges(cfg: JobConfig) -> None:
         raise ConfigError(f"peft.method={cfg.peft.method} with train.float8=true is not supported: the adapters would replace "
                           "the float8 linears' forward. Fix: set train.float8=false")
     e = cfg.eval
+    # Options that would do nothing beside another: said, not ignored.
+    if e.data and e.split:
+        raise ConfigError(f"eval.data={e.data} and eval.split={e.split} both choose the held-out data; eval.data wins "
+                          "and eval.split would hold nothing out. Fix: set one of them")
+    if cfg.peft.export_adapter and not cfg.peft.adapters:
+        raise ConfigError(f"peft.export_adapter={cfg.peft.export_adapter} with peft.method=none: there are no adapters "
+                          "to export. Fix: set peft.method=lora (or dora), or drop peft.export_adapter")
+    if cfg.data.chat_template and cfg.data.format != "chat":
+        raise ConfigError(f"data.chat_template={cfg.data.chat_template} with data.format={cfg.data.format}: only chat "
+                          "data is rendered through a template. Fix: set data.format=chat, or drop data.chat_template")
     if e.interval and not e.data and not e.split:
         raise ConfigError(f"eval.interval={e.interval} needs held-out data. Fix: set eval.data to a held-out "
                           "dataset, or eval.split to the fraction of the training samples to hold out (e.g. 0.01)")

@@ -98,3 +98,17 @@ def test_every_bundled_config_loads():
     assert configs
     for c in configs:
         load_yaml(str(c))
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--eval.data", "held.txt", "--eval.split", "0.1"],
+     r"eval.data=held.txt and eval.split=0.1 both choose the held-out data.*Fix: set one of them"),
+    (["--peft.export-adapter", "out"], r"peft.export_adapter=out with peft.method=none: there are no adapters"),
+    (["--data.chat-template", "t.jinja"],
+     r"data.chat_template=t.jinja with data.format=pretrain: only chat data.*Fix: set data.format=chat"),
+])
+def test_options_that_would_do_nothing_beside_another_are_errors_naming_both(options, message):
+    from meshtrain.validation import check_ranges
+
+    with pytest.raises(ConfigError, match=message):
+        check_ranges(parse(JobConfig, options, "train"))

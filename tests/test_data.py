@@ -159,3 +159,19 @@ def test_resume_under_another_seq_len_is_refused_naming_both():
     with pytest.raises(CheckpointError, match="its data position counts samples of train.seq_len=64; this run has "
                                               "train.seq_len=128.*Fix: resume with train.seq_len=64"):
         check_sequence_length({"seq_len": 64}, 128, "ckpt")
+
+
+def test_a_data_error_in_a_loader_worker_is_its_own_one_line_message():
+    """torch re-raises a worker's exception wrapped in "Caught DataError in DataLoader worker
+    process 0. Original Traceback ..."; the stream gives back the worker's own message."""
+    ds = PackedDataset(torch.arange(40 * 4 + 1), seq_len=4, vocab_size=128, source="tokens.bin")
+    messages = []
+    for workers in (0, 1):
+        s = BatchStream(ds, global_batch=8, micro_batch=2, dp_size=1, dp_rank=0, shuffle=False, seed=0,
+                        num_workers=workers)
+        with pytest.raises(DataError) as raised:
+            for _ in range(5):
+                s.next_step()
+        messages.append(str(raised.value))
+    assert messages[1] == messages[0] and messages[0].startswith("tokens.bin: token id ")
+    assert "Traceback" not in messages[1] and "\n" not in messages[1]

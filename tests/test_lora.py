@@ -375,3 +375,13 @@ def test_dora_starts_as_the_base_model_and_gives_peft_s_logits_merged_or_not(tmp
     torch.testing.assert_close(from_peft, adapted, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(merged, adapted, rtol=1e-4, atol=1e-5)
     assert (adapted - plain).abs().max() > 1e-2
+
+
+def test_a_lora_checkpoint_of_an_hf_base_resumed_without_it_names_the_base():
+    from meshtrain.checkpoint.checkpointer import check_architecture
+    from meshtrain.errors import CheckpointError
+
+    meta = {"kind": "train", "model": {}, "frozen_base": {"init_from_hf": "/models/llama", "sha256": "ab" * 32}}
+    with pytest.raises(CheckpointError, match=r"holds LoRA adapters trained on model.init_from_hf=/models/llama, and "
+                                              r"this run has no model.init_from_hf. Fix: set model.init_from_hf"):
+        check_architecture(meta, ModelConfig(), "ckpt")

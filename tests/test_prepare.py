@@ -119,6 +119,16 @@ def test_prepare_equals_tokenizing_at_start_and_is_skipped_when_up_to_date(tmp_p
     assert not prepare(cfg).get("skipped") and IndexedDataset.open(cfg.output).num_documents == 302
 
 
+def test_text_files_are_tokenized_as_their_bytes_without_newline_translation(tmp_path):
+    """\r\n and lone \r stay what they are (Python's text mode would make both \n)."""
+    text = "Windows line\r\nold Mac line\rUnix line\n"
+    (tmp_path / "crlf.txt").write_bytes(text.encode())
+    cfg = PrepareConfig(input=str(tmp_path / "crlf.txt"), output=str(tmp_path / "data"), workers=0)
+    prepare(cfg)
+    tokens = IndexedDataset.open(tmp_path / "data").tokens.tolist()
+    assert tokens == list(text.encode()) + [ByteTokenizer().eos_id]
+
+
 def test_an_interrupted_prepare_leaves_nothing_that_opens(tmp_path):
     src = corpus(tmp_path)
     with open(src / "a.jsonl", "a") as f:

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from meshtrain.config import CheckpointConfig, ModelConfig
 from meshtrain.errors import CheckpointError, CheckpointWriteError
-from meshtrain.checkpoint.frozen_base import check_frozen_base, frozen_base_of
+from meshtrain.checkpoint.frozen_base import check_base_given, check_frozen_base, frozen_base_of
 from meshtrain.hf.adapter import architecture_fields
 from meshtrain.run_dir import describe_write_error
 
@@ -76,6 +76,7 @@ def read_meta(path: pathlib.Path) -> dict:
 
 
 def check_architecture(meta: dict, model: ModelConfig, where: pathlib.Path) -> None:
+    check_base_given(meta, model, where)
     saved = meta["model"]
     for name, mine in architecture_fields(model).items():
         if saved.get(name) != mine:
@@ -337,39 +338,6 @@ class Checkpointer:
         if same_world:
             torch.set_rng_state(state[f"rng_rank{rank}"])
         return meta["step"]
-
-
-def save_weights(parts: list[nn.Module], model: ModelConfig, directory: pathlib.Path, *, source: str,
-                 hf_origin: dict | None = None, extra_files: dict[str, pathlib.Path] | None = None) -> None:
-    """A weights-only checkpoint (what ``meshtrain convert --to dcp`` writes), atomically.
-    ``hf_origin`` (``hf_origin_of``) and ``extra_files`` (tokenizer files) let a later export give
-    back the Hugging Face directory the weights came from."""
-    tmp = directory.with_name(directory.name + INCOMPLETE)
-    is_main = not dist.is_initialized() or dist.get_rank() == 0
-    if is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier()
-    dcp.save({"model": model_state(parts)}, checkpoint_id=str(tmp))
-    if is_main:
-        meta = {"format": FORMAT_VERSION, "kind": "weights", "step": 0, "model": architecture_fields(model),
-                "source": source, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                **(hf_origin or {})}
-        for name, f in (extra_files or {}).items():
-            shutil.copy2(f, tmp / name)
-        (tmp / META).write_text(json.dumps(meta, indent=1))
-        if directory.exists():
-            directory.rmdir()  # empty: the caller checked
-        tmp.rename(directory)
-    _barrier()
-
-
-def load_weights(parts: list[nn.Module], path: pathlib.Path) -> dict:
-    """Fill model parts from any meshtrain checkpoint (training or weights-only); returns its meta."""
-    meta = read_meta(path)
-    check_architecture(meta, parts[0].cfg, path)
-    _load({"model": model_state(parts)}, parts, path)
-    return meta
 
 
 def hf_origin_of(model: ModelConfig) -> dict:

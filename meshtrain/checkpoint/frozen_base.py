@@ -69,3 +69,12 @@ def check_frozen_base(meta: dict, mine: dict, where: pathlib.Path) -> None:
         raise CheckpointError(f"{where}: its LoRA adapters were trained on {describe_base(saved)}; this run's frozen "
                               f"base is {describe_base(mine)}. Adapters resumed on another base train another "
                               "model. Fix: start from the same base, or set checkpoint.resume=never")
+
+
+def check_base_given(meta: dict, model, where: pathlib.Path) -> None:
+    """A LoRA checkpoint of an HF base resumed without model.init_from_hf: said as such (the
+    architecture check would name the first default that differs, e.g. rms_norm_eps)."""
+    base = meta.get("frozen_base", {}).get("init_from_hf")
+    if base and model.init_from_hf is None:
+        raise CheckpointError(f"{where}: holds LoRA adapters trained on model.init_from_hf={base}, and this run has no "
+                              f"model.init_from_hf. Fix: set model.init_from_hf={base}")

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from meshtrain.checkpoint import checkpointer as checkpoint
+from meshtrain.checkpoint import weights
 from meshtrain.config import JobConfig, ModelConfig, TrainConfig
 from meshtrain.parallel.runtime import init_distributed, shutdown
 from meshtrain.errors import CheckpointError
@@ -113,7 +114,7 @@ def convert(cc: ConvertConfig) -> None:
         if kind == "hf":
             load_hf_weights(parts, str(src))
         else:
-            checkpoint.load_weights(parts, src)
+            weights.load_weights(parts, src)
         say(f"read {src}", t0)
         t0 = time.perf_counter()
         dtypes = export_dtypes(dataclasses.replace(model_cfg, init_from_hf=None), cc.dtype,
@@ -128,7 +129,7 @@ def convert(cc: ConvertConfig) -> None:
             save_hf(parts, str(out), dtypes, max_shard_bytes=int(cc.max_shard_gb * 1e9),
                     base_config=origin.get("hf_config"), extra_files=tokenizer_files(str(src)))
         else:
-            checkpoint.save_weights(parts, model_cfg, out, source=str(src), hf_origin=origin,
+            weights.save_weights(parts, model_cfg, out, source=str(src), hf_origin=origin,
                                     extra_files=tokenizer_files(str(src)))
         say(f"wrote {out}", t0)
         if cc.verify:
@@ -159,7 +160,7 @@ def verify(parts: list[Transformer], dst: pathlib.Path, hf_dtypes: dict[str, tor
     if hf_dtypes is not None:
         load_hf_weights(again, str(dst))
     else:
-        checkpoint.load_weights(again, dst)
+        weights.load_weights(again, dst)
     bad = []
     for part, other in zip(parts, again):
         reloaded = dict(other.named_parameters())

@@ -35,7 +35,7 @@ from meshtrain.data.text import documents, source_files
 from meshtrain.data.tokenizer import build_tokenizer
 from meshtrain.errors import ConfigError, DataError
 
-FORMAT = "meshtrain-prepare/1"
+FORMAT = "meshtrain-prepare/2"  # 2: .txt files are tokenized without newline translation
 
 
 @dataclass

@@ -18,7 +18,7 @@ from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from meshtrain.data.sampler import ShuffledSampler
-from meshtrain.errors import DataError
+from meshtrain.errors import DataError, MeshtrainError
 
 # torchdata 0.11 calls torch.set_vital, deprecated in torch 2.13: one warning per rank and loader,
 # nothing a user can act on.
@@ -81,7 +81,10 @@ class BatchStream:
             if self.step_in_epoch == 0:
                 self.sampler.set_epoch(self.epoch)
             self._it = iter(self.loader)
-        batches = [next(self._it) for _ in range(self.accum)]
+        try:
+            batches = [next(self._it) for _ in range(self.accum)]
+        except MeshtrainError as e:
+            raise _from_worker(e) from None
         self.step_in_epoch += 1
         return batches
 
@@ -116,3 +119,14 @@ class BatchStream:
             return f"data: continues at {where}"
         return (f"data: continues at {where} (the position is kept in samples: train.global_batch_size "
                 f"{saved_batch} -> {self.global_batch}, step {state['step_in_epoch']} -> {self.step_in_epoch} of the epoch)")
+
+
+def _from_worker(error: MeshtrainError) -> MeshtrainError:
+    """A data error raised in a DataLoader worker process, as its own one-line message: torch re-raises
+    it in this process as the same type around "Caught DataError in DataLoader worker process 0.
+    Original Traceback (most recent call last): ...", the worker's traceback ending in the message."""
+    text = str(error)
+    if not text.startswith("Caught "):
+        return error
+    marker = f"{type(error).__module__}.{type(error).__name__}: "
+    return type(error)(text.rsplit(marker, 1)[-1].strip()) if marker in text else error

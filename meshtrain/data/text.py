@@ -112,8 +112,8 @@ def data_files(path: str) -> list[pathlib.Path]:
 
 
 def read_documents(file: pathlib.Path, text_field: str) -> Iterator[str]:
-    if file.suffix == ".txt":
-        yield file.read_text(encoding="utf-8", errors="replace")
+    if file.suffix == ".txt":  # the file's own text: no newline translation (read_text makes \r\n and \r \n)
+        yield file.read_bytes().decode("utf-8", errors="replace")
     elif file.suffix == ".jsonl":
         with file.open(encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
