@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import fcntl
 import hashlib
 import itertools
 import json
@@ -21,6 +22,7 @@ import multiprocessing
 import os
 import pathlib
 import signal
+import socket
 import sys
 import threading
 import time
@@ -170,6 +172,35 @@ def prepare(cfg: PrepareConfig) -> dict:
         raise ConfigError(f"--chunk-documents {cfg.chunk_documents}: must be >= 1")
     files = source_files(cfg.input)
     prefix = prefix_of(cfg.output)
+    pathlib.Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    with _held(prefix):
+        return _prepare_held(cfg, files, prefix)
+
+
+@contextlib.contextmanager
+def _held(prefix: str) -> Iterator[None]:
+    """One prepare at a time per output prefix (a kernel lock on PREFIX.lock, gone with its process):
+    two at once renamed each other's .incomplete files away, and left one input's tokens beside the
+    other's PREFIX.json."""
+    with open(prefix + ".lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise DataError(f"--output {prefix}: another meshtrain prepare is writing it ({f.read().strip() or 'pid ?'}). "
+                            "Fix: wait for it to finish, or choose another --output") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            os.unlink(prefix + ".lock")  # while still held: no other prepare holds this file
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _prepare_held(cfg: PrepareConfig, files: list[pathlib.Path], prefix: str) -> dict:
     meta_path = pathlib.Path(prefix + ".json")
     digest = content_hash(cfg, files)
     if not cfg.force and meta_path.is_file():
