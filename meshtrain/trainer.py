@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import math
 import pathlib
 import time
@@ -49,7 +48,7 @@ from meshtrain.parallel.parallelize import build_model, float8_all_gather
 from meshtrain.parallel.pipeline import Pipeline, stage_ids_for_rank
 from meshtrain.parallel.runtime import Runtime
 from meshtrain.parallel.tensor import grads_to_param_placements, sum_moe_grads_over_tp
-from meshtrain.parallel.tied import TiedCopies
+from meshtrain.parallel.tied import tied_copies
 from meshtrain.run_dir import checkpoint_dir
 from meshtrain.telemetry.metrics import MetricsLogger, flops_per_token, memory_gib, peak_tflops
 from meshtrain.telemetry.profiling import MemorySnapshots, PhaseClock, format_phases, trace_path, trace_window
@@ -84,7 +83,7 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         self.parts, self.pipeline = self._build_model_parts()
         self.params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
-        self.tied_copies = self._tied_copies()
+        self.tied_copies = tied_copies(cfg, self.parts, mesh) if self.pipeline is not None else None
         self.float8_fsdp_scales = float8_all_gather(cfg, mesh)
         # One optimizer per part: torch's optimizer state dicts are per (module, optimizer) pair.
         self.optimizers = [build_optimizer([part], cfg.optimizer) for part in self.parts]
@@ -161,16 +160,6 @@ class Trainer:
         pipeline = Pipeline(parts, stage_ids, mesh.size("pp") * cfg.parallel.vpp, mesh["pp"], device, schedule,
                             self.stream.accum, self.loss_fn)
         return parts, pipeline
-
-    def _tied_copies(self) -> TiedCopies | None:
-        """A tied embedding split over pipeline stages: the copies whose gradients are summed."""
-        cfg, mesh = self.cfg, self.mesh
-        if not cfg.model.tie_word_embeddings or self.pipeline is None:
-            return None
-        pp, vpp = mesh.size("pp"), cfg.parallel.vpp
-        schedule = resolve_schedule(cfg.parallel.pp_schedule, vpp)
-        last = next(r for r in range(pp) if pp * vpp - 1 in stage_ids_for_rank(r, pp, vpp, schedule))
-        return TiedCopies(self.parts, mesh, (0, last), datetime.timedelta(seconds=cfg.parallel.timeout_s))
 
     def _restore_checkpoint(self) -> tuple[Checkpointer, pathlib.Path | None]:
         """The checkpointer, and the checkpoint this run resumed from (its step restored), if any."""

@@ -20,9 +20,22 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from meshtrain.config import JobConfig
+from meshtrain.parallel.layout import resolve_schedule
 from meshtrain.parallel.mesh import ParallelMesh
+from meshtrain.parallel.pipeline import stage_ids_for_rank
 
 EMBEDDING, HEAD = "embed_tokens.weight", "lm_head.weight"
+
+
+def tied_copies(cfg: JobConfig, parts: list[nn.Module], mesh: ParallelMesh) -> "TiedCopies | None":
+    """A pipeline rank's copies of a tied embedding (None for an untied model)."""
+    if not cfg.model.tie_word_embeddings:
+        return None
+    pp, vpp = mesh.size("pp"), cfg.parallel.vpp
+    schedule = resolve_schedule(cfg.parallel.pp_schedule, vpp)
+    last = next(r for r in range(pp) if pp * vpp - 1 in stage_ids_for_rank(r, pp, vpp, schedule))
+    return TiedCopies(parts, mesh, (0, last), datetime.timedelta(seconds=cfg.parallel.timeout_s))
 
 
 class TiedCopies:
