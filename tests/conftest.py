@@ -127,13 +127,14 @@ _SELECTED_JOBS = pytest.StashKey[dict]()
 
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection: only the selected tests' jobs run
 def pytest_collection_modifyitems(config, items):
-    """Keeps the selected tests' jobs, and runs the tests that read a job last (in their order): the
-    batches run in the background meanwhile (tests/batch.py)."""
+    """Keeps the selected tests' jobs, and orders the tests so the two cores stay busy: while the
+    batches run in the background (tests/batch.py), first the one-process tests, then the slow
+    ones that launch processes of their own (they fill both cores once the batches end), and last
+    those that read a job. Each group keeps its order."""
     from tests.batch import selected_jobs
 
     config.stash[_SELECTED_JOBS] = selected_jobs(items)
-    reads_a_job = [item for item in items if item.get_closest_marker("job")]
-    items[:] = [item for item in items if not item.get_closest_marker("job")] + reads_a_job
+    items.sort(key=lambda item: (item.get_closest_marker("job") is not None, item.get_closest_marker("slow") is not None))
 
 
 @pytest.fixture(scope="session", autouse=True)

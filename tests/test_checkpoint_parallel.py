@@ -103,11 +103,11 @@ def test_resume_under_other_layouts_and_bitwise_under_the_same(batches):
     torch.testing.assert_close(losses(batches, SHARDED_TO_PP), sharded[3:], rtol=LOSS_RTOL, atol=0)
 
 
-# A tied model: one rank's checkpoint (embedding and head one matrix) resumed by pp2 x tp2, whose
-# stages hold a copy each, and the pipeline's checkpoint resumed by one rank again.
+# A tied model: one rank's checkpoint (embedding and head one matrix) resumed by pp2, whose stages
+# hold a copy each, and the pipeline's checkpoint resumed by one rank again.
 TIED = ("--model.tie-word-embeddings", "True")
 TIED_ONE_RANK = resume_job("tied-one-rank", 1, *TIED, "--checkpoint.interval", "3")
-TIED_PP = resume_job("tied-pp2-tp2", 4, *TIED, "--parallel.pp", "2", "--parallel.tp", "2", "--checkpoint.interval", "1",
+TIED_PP = resume_job("tied-pp2", 2, *TIED, "--parallel.pp", "2", "--checkpoint.interval", "1",
                      "--checkpoint.resume", checkpoint_of_step3(TIED_ONE_RANK), after=(TIED_ONE_RANK,))
 TIED_BACK = resume_job("tied-back-to-one-rank", 1, *TIED, "--checkpoint.resume",
                        f"{{jobs}}/{TIED_PP.name}/checkpoints/step-000004", after=(TIED_PP,))

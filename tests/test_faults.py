@@ -196,11 +196,11 @@ def test_an_unreadable_data_file_is_named_with_the_fix(tmp_path):
         assert "Traceback" not in proc.stderr
 
 
-def test_a_second_prepare_to_a_busy_output_is_refused_and_ctrl_c_leaves_nothing_that_opens(tmp_path):
+def test_ctrl_c_during_prepare_says_so_once_and_leaves_nothing_that_opens(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
-    for i in range(20):  # 20 documents (a .txt file is one), tokenized one a chunk: ~2 s each here
-        (src / f"doc{i:02}.txt").write_text(f"document {i} " + "lorem ipsum dolor sit amet " * 400_000 + "\n")
+    for i in range(40):  # 40 documents (a .txt file is one), tokenized one a chunk: ~0.15 s each here
+        (src / f"doc{i:02}.txt").write_text(f"document {i} " + "lorem ipsum dolor sit amet " * 50_000 + "\n")
     out = tmp_path / "data"
     # a session of its own: Ctrl-C signals the terminal's whole process group, the tokenizing workers too
     proc = subprocess.Popen([sys.executable, "-m", "meshtrain", "prepare", "--input", str(src), "--output", str(out),
@@ -210,16 +210,8 @@ def test_a_second_prepare_to_a_busy_output_is_refused_and_ctrl_c_leaves_nothing_
         deadline, written = time.monotonic() + 120, tmp_path / "data.bin.incomplete"
         while not (written.exists() and written.stat().st_size > 0) and time.monotonic() < deadline:
             assert proc.poll() is None, proc.communicate()[1][-3000:]
-            time.sleep(0.05)
-        # the first chunk is written: the worker is tokenizing the next. A second prepare to the same
-        # output (another input) would rename the first's files away: refused, naming the first.
-        (tmp_path / "other.txt").write_text("another input\n")
-        second = subprocess.run([sys.executable, "-m", "meshtrain", "prepare", "--input", str(tmp_path / "other.txt"),
-                                 "--output", str(out), "--workers", "0"], cwd=ROOT, env=env(), capture_output=True,
-                                text=True, timeout=300)
-        assert second.returncode == 2 and (f"meshtrain: error: --output {out}: another meshtrain prepare is writing it "
-                                           f"(pid {proc.pid} on ") in second.stderr, second.stderr[-3000:]
-        os.killpg(proc.pid, signal.SIGINT)
+            time.sleep(0.02)
+        os.killpg(proc.pid, signal.SIGINT)  # the first chunk is written: the worker is tokenizing the next
         _, stderr = proc.communicate(timeout=120)
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -227,7 +219,7 @@ def test_a_second_prepare_to_a_busy_output_is_refused_and_ctrl_c_leaves_nothing_
     assert proc.returncode == 130, stderr[-3000:]
     assert stderr.strip().splitlines()[-1] == "meshtrain prepare: interrupted; nothing incomplete was published"
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.txt", "src"]  # no .bin/.idx/.json/.lock left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no .bin/.idx/.json/.lock left
 
 
 def test_a_short_write_on_a_full_disk_is_named_as_a_full_disk(mount_tmpfs):

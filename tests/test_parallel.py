@@ -117,9 +117,8 @@ def test_tied_embeddings_and_activation_checkpointing_under_fsdp(batches):
 
 
 TIED_LAYOUTS = {  # name: (ranks, layout, model)
-    # one vocab-parallel parameter for the embedding and the head, with SP and under FSDP
+    # one vocab-parallel parameter for the embedding and the head (FSDP alone: tied-ac-fsdp2 above)
     "tp2-sp": (2, ["--parallel.tp", "2", "--parallel.sp", "True"], ()),
-    "tp2-fsdp2": (4, ["--parallel.tp", "2", "--parallel.dp-shard", "2"], ()),
     # a copy on the first and the last stage, gradients summed between their ranks every step
     "pp2": (2, PP, PP_MODEL),
     "pp2-tp2-sp": (4, PP + ["--parallel.tp", "2", "--parallel.sp", "True"], PP_MODEL),

@@ -3,6 +3,7 @@ spec, written here independently with struct), ``meshtrain prepare`` (parallel, 
 content hash, never leaving a dataset that looks complete), and the errors bad files get."""
 
 import json
+import os
 import pathlib
 import re
 import struct
@@ -127,6 +128,20 @@ def test_text_files_are_tokenized_as_their_bytes_without_newline_translation(tmp
     prepare(cfg)
     tokens = IndexedDataset.open(tmp_path / "data").tokens.tolist()
     assert tokens == list(text.encode()) + [ByteTokenizer().eos_id]
+
+
+def test_a_second_prepare_to_a_busy_output_is_refused_naming_the_first(tmp_path):
+    """Two prepares to one prefix renamed each other's files away and left one input's tokens beside
+    the other's PREFIX.json: the second is refused while the first holds PREFIX.lock."""
+    from meshtrain.commands.prepare import _held
+
+    out = tmp_path / "data"
+    cfg = PrepareConfig(input=str(corpus(tmp_path)), output=str(out), workers=0)
+    with _held(str(out)):  # as a running prepare holds it (a second open file: flock refuses it too)
+        with pytest.raises(DataError, match=rf"--output {out}: another meshtrain prepare is writing it \(pid "
+                                            rf"{os.getpid()} on .*Fix: wait for it to finish"):
+            prepare(cfg)
+    assert prepare(cfg)["documents"] == 301 and not (tmp_path / "data.lock").exists()
 
 
 def test_an_interrupted_prepare_leaves_nothing_that_opens(tmp_path):
