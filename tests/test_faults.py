@@ -202,9 +202,14 @@ def test_ctrl_c_during_prepare_says_so_once_and_leaves_nothing_that_opens(tmp_pa
     for i in range(40):  # 40 documents (a .txt file is one), tokenized one a chunk: ~0.15 s each here
         (src / f"doc{i:02}.txt").write_text(f"document {i} " + "lorem ipsum dolor sit amet " * 50_000 + "\n")
     out = tmp_path / "data"
-    # a session of its own: Ctrl-C signals the terminal's whole process group, the tokenizing workers too
-    proc = subprocess.Popen([sys.executable, "-m", "meshtrain", "prepare", "--input", str(src), "--output", str(out),
-                             "--workers", "1", "--chunk-documents", "1"], cwd=ROOT, env=env(),
+    # A session of its own: Ctrl-C signals the terminal's whole process group, the tokenizing workers
+    # too. SIGINT back to its default first, as on a terminal: a shell that runs this suite in the
+    # background (`cmd &` without job control) hands every child SIGINT ignored, and Python then
+    # installs no KeyboardInterrupt handler (the CI run of this test ended with status 0).
+    as_on_a_terminal = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+    proc = subprocess.Popen([sys.executable, "-c", as_on_a_terminal, sys.executable, "-m", "meshtrain", "prepare",
+                             "--input", str(src), "--output", str(out), "--workers", "1", "--chunk-documents", "1"],
+                            cwd=ROOT, env=env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline, written = time.monotonic() + 120, tmp_path / "data.bin.incomplete"
