@@ -19,10 +19,11 @@ FIXES = {errno.ENOSPC: "free space there or point it at a larger disk",
 """The usual fix for each errno a file operation meets."""
 
 
-def describe_file_error(error: OSError, what: str = "") -> str:
-    """One line for a failed file operation: the file, the reason and the usual fix."""
+def describe_file_error(error: OSError, path=None) -> str:
+    """One line for a failed file operation: the file (the error's, else ``path``), the reason and
+    the usual fix."""
     reason = os.strerror(error.errno) if error.errno else str(error)
-    return f"{what}{error.filename}: {reason}. Fix: {FIXES.get(error.errno, 'check the path and the disk')}"
+    return f"{error.filename or path or '?'}: {reason}. Fix: {FIXES.get(error.errno, 'check the path and the disk')}"
 
 
 class MeshtrainError(Exception):

@@ -18,9 +18,9 @@ import os
 import pathlib
 import socket
 import sys
-from typing import Iterator
+from typing import Callable, Iterator
 
-from meshtrain.errors import FIXES, ConfigError
+from meshtrain.errors import ConfigError, describe_file_error
 
 LOCK_FILE = ".meshtrain.lock"
 
@@ -52,9 +52,7 @@ def _read_only_file_system(directory: pathlib.Path) -> bool:
 
 def describe_write_error(error: OSError, what: str, path: str | pathlib.Path | None = None) -> str:
     """One line for a failed write, with the path (the error's, else ``path``) and a fix for the usual causes."""
-    path = error.filename or path or "?"
-    reason = os.strerror(error.errno) if error.errno else str(error)
-    return f"cannot write {what} {path}: {reason}. Fix: {FIXES.get(error.errno, 'check the path and the disk')}"
+    return f"cannot write {what} {describe_file_error(error, path)}"
 
 
 @contextlib.contextmanager
@@ -74,17 +72,25 @@ def job_lock(run_dir: str | pathlib.Path, checkpoint_dir: str | pathlib.Path | N
         yield
 
 
-@contextlib.contextmanager
-def _hold(directory: pathlib.Path, field: str, harm: str) -> Iterator[None]:
+def _hold(directory: pathlib.Path, field: str, harm: str) -> contextlib.AbstractContextManager[None]:
     directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / LOCK_FILE, "a+") as f:
+    return held_lock_file(directory / LOCK_FILE, lambda holder: ConfigError(
+        f"{field}={directory} is in use by another meshtrain job ({holder}); two jobs there {harm}. Fix: wait "
+        f"for that job or stop it, or give this one another {field}"))
+
+
+@contextlib.contextmanager
+def held_lock_file(path: pathlib.Path, refusal: Callable[[str], Exception], *,
+                   remove: bool = False) -> Iterator[None]:
+    """Hold ``path`` with an exclusive kernel lock (flock, gone with the process, even one killed with
+    SIGKILL) and write who holds it there; if another process holds it, raise ``refusal(holder)``.
+    ``remove``: delete the file at the end, while still held, so no other process holds it then."""
+    with open(path, "a+") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.seek(0)
-            raise ConfigError(f"{field}={directory} is in use by another meshtrain job ({_holder(f.read())}); "
-                              f"two jobs there {harm}. Fix: wait for that job or stop it, or give this one "
-                              f"another {field}") from None
+            raise refusal(_holder(f.read())) from None
         f.seek(0)
         f.truncate()
         f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
@@ -94,6 +100,8 @@ def _hold(directory: pathlib.Path, field: str, harm: str) -> Iterator[None]:
         try:
             yield
         finally:
+            if remove:
+                os.unlink(path)
             fcntl.flock(f, fcntl.LOCK_UN)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import errno
+import functools
 import json
 import os
 import pathlib
@@ -194,7 +195,6 @@ class Checkpointer:
         self.cfg, self.root, self.trainer, self.layout = cfg, root, trainer, layout
         self.is_main = not dist.is_initialized() or dist.get_rank() == 0
         self.hf_origin = hf_origin_of(trainer.cfg.model)
-        self.frozen_base = frozen_base_of(trainer.cfg, [p for part in trainer.parts for p in part.parameters()])
         self.data_position = ""
         """What a resume did with the data position (for the log)."""
         self.pending: tuple[Future, pathlib.Path, pathlib.Path, dict] | None = None
@@ -204,6 +204,12 @@ class Checkpointer:
         timeout = datetime.timedelta(seconds=trainer.cfg.parallel.timeout_s)
         self.async_group = (dist.new_group(backend="gloo", timeout=timeout, group_desc="async_checkpoint")
                             if cfg.async_save and dist.is_initialized() else None)
+
+    @functools.cached_property
+    def frozen_base(self) -> dict | None:
+        """A LoRA run's base (``frozen_base``), asked for by the first save or resume only, on every
+        rank together: a run that neither saves nor resumes never hashes its base's safetensors."""
+        return frozen_base_of(self.trainer.cfg, [p for part in self.trainer.parts for p in part.parameters()])
 
     # --- save ------------------------------------------------------------------------------
     def _state(self, with_optimizer: bool) -> dict:

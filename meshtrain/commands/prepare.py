@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import fcntl
 import hashlib
 import itertools
 import json
@@ -22,7 +21,6 @@ import multiprocessing
 import os
 import pathlib
 import signal
-import socket
 import sys
 import threading
 import time
@@ -36,6 +34,7 @@ from meshtrain.data.indexed import IndexedDataset, IndexedWriter, prefix_of, tok
 from meshtrain.data.text import documents, source_files
 from meshtrain.data.tokenizer import build_tokenizer
 from meshtrain.errors import ConfigError, DataError
+from meshtrain.run_dir import held_lock_file
 
 FORMAT = "meshtrain-prepare/2"  # 2: .txt files are tokenized without newline translation
 
@@ -177,27 +176,13 @@ def prepare(cfg: PrepareConfig) -> dict:
         return _prepare_held(cfg, files, prefix)
 
 
-@contextlib.contextmanager
-def _held(prefix: str) -> Iterator[None]:
-    """One prepare at a time per output prefix (a kernel lock on PREFIX.lock, gone with its process):
-    two at once renamed each other's .incomplete files away, and left one input's tokens beside the
+def _held(prefix: str) -> contextlib.AbstractContextManager[None]:
+    """One prepare at a time per output prefix (a kernel lock on PREFIX.lock, removed at the end): two
+    at once renamed each other's .incomplete files away, and left one input's tokens beside the
     other's PREFIX.json."""
-    with open(prefix + ".lock", "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            raise DataError(f"--output {prefix}: another meshtrain prepare is writing it ({f.read().strip() or 'pid ?'}). "
-                            "Fix: wait for it to finish, or choose another --output") from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-        f.flush()
-        try:
-            yield
-        finally:
-            os.unlink(prefix + ".lock")  # while still held: no other prepare holds this file
-            fcntl.flock(f, fcntl.LOCK_UN)
+    return held_lock_file(pathlib.Path(prefix + ".lock"), lambda holder: DataError(
+        f"--output {prefix}: another meshtrain prepare is writing it ({holder}). Fix: wait for it to finish, or "
+        "choose another --output"), remove=True)
 
 
 def _prepare_held(cfg: PrepareConfig, files: list[pathlib.Path], prefix: str) -> dict:

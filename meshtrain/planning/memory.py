@@ -11,7 +11,6 @@ min(pp, micro-batches) of them in flight.
 from __future__ import annotations
 
 import dataclasses
-
 import math
 from dataclasses import dataclass
 
