@@ -11,6 +11,8 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Literal
 
+from meshtrain.models import families
+
 
 BUNDLED_CORPUS = str(pathlib.Path(__file__).parent / "data" / "corpus" / "python_stdlib_docstrings.txt")
 
@@ -26,13 +28,17 @@ class RopeScalingConfig:
     original_max_position_embeddings: int = 8192
 
 
+FamilyName = Literal[families.names()]  # the modules of meshtrain/models/families
+
+
 @dataclass
 class ModelConfig:
     """Decoder-only transformer. Field names follow Hugging Face config.json names."""
 
-    family: Literal["llama", "qwen3", "qwen3_moe", "mixtral"] = "llama"
-    """llama: Llama 3 blocks; qwen3: adds RMSNorm on per-head queries and keys; qwen3_moe: Qwen3 with
-    mixture-of-experts MLPs; mixtral: Llama attention with mixture-of-experts MLPs."""
+    family: FamilyName = "llama"
+    """The architecture: a module of meshtrain/models/families (docs/adding-a-family.md). llama: Llama 3;
+    qwen3: RMSNorm on per-head queries and keys; qwen3_moe: Qwen3 with mixture-of-experts MLPs;
+    mixtral: Llama attention with mixture-of-experts MLPs."""
     vocab_size: int = 384
     """Embedding rows. May exceed the tokenizer's vocabulary (padding, e.g. to divide by tp)."""
     hidden_size: int = 128
@@ -85,24 +91,21 @@ class ModelConfig:
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
 
     @property
-    def is_moe(self) -> bool:
-        return self.family in MOE_FAMILIES
+    def definition(self):
+        """The family's definition (models/family.py): what generic code asks about the architecture."""
+        return families.get(self.family)
 
     @property
-    def qk_norm(self) -> bool:
-        return self.family in ("qwen3", "qwen3_moe")
+    def is_moe(self) -> bool:
+        return self.definition.is_moe
 
     @property
     def resolved_moe_intermediate_size(self) -> int:
         return self.moe_intermediate_size or self.intermediate_size
 
     def is_sparse_layer(self, layer: int) -> bool:
-        """Whether decoder layer ``layer`` has an MoE MLP (HF's rule for Qwen3-MoE; every layer for Mixtral)."""
-        return (self.is_moe and self.num_experts > 0 and layer not in self.mlp_only_layers
-                and (layer + 1) % self.decoder_sparse_step == 0)
-
-
-MOE_FAMILIES = ("qwen3_moe", "mixtral")
+        """Whether decoder layer ``layer`` has an MoE MLP (the family's rule)."""
+        return self.definition.is_sparse_layer(self, layer)
 
 
 PipelineSchedule = Literal["auto", "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from meshtrain.config import ModelConfig, PeftConfig
-from meshtrain.hf.adapter import EXPERT_NAMES, to_hf, to_hf_name
+from meshtrain.hf.adapter import to_hf, to_hf_name
 from meshtrain.hf.io import INCOMPLETE, agreed_export_target
 from meshtrain.models.lora import MAGNITUDE, adapter_tensors
 
@@ -48,7 +48,8 @@ def peft_targets(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[li
     on loading. Those are named as target_parameters (``gate_proj.weight``: only a dense linear's
     weight ends so) instead, which peft loads under the same tensor names."""
     modules, parameters = set(), set()
-    expert_leaves = set(EXPERT_NAMES[cfg.family][1].values()) if cfg.is_moe else set()
+    experts = cfg.definition.experts
+    expert_leaves = set(experts.names.values()) if experts else set()
     for key in tensors:
         if not key.endswith(".lora_A.weight"):
             continue

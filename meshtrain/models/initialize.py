@@ -19,6 +19,8 @@ from meshtrain.models.transformer import Transformer, init_std_for
 def _full_value(name: str, shape: torch.Size, std: float | None, seed: int) -> torch.Tensor:
     if std is None:
         return torch.ones(shape)
+    if std == 0:
+        return torch.zeros(shape)
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     return torch.empty(shape).normal_(0.0, std, generator=gen)
 

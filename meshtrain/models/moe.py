@@ -98,7 +98,7 @@ class Router(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         self.top_k = cfg.num_experts_per_tok
-        self.normalize = cfg.norm_topk_prob or cfg.family == "mixtral"
+        self.normalize = cfg.norm_topk_prob or cfg.definition.topk_always_normalized
         # Aux-loss-free balancing: persistent (it is training state), updated outside autograd.
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts), persistent=cfg.router_bias_update_rate > 0)
 
@@ -254,3 +254,14 @@ class MoE(nn.Module):
     def update_bias(self, tokens_per_expert: torch.Tensor, rate: float) -> None:
         """Aux-loss-free balancing step: raise the bias of under-loaded experts, lower the others'."""
         self.gate.expert_bias += rate * torch.sign(tokens_per_expert.mean() - tokens_per_expert)
+
+    def tp_plan(self, tp) -> dict:
+        """Not split by tp: each tp rank routes its own slice of the sequence through the whole router
+        and experts (free under SP; a slice in and an all-gather out without it), and
+        parallel/tensor.py's sum_moe_grads_over_tp adds up their gradients."""
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+        return {"": PrepareModuleInputOutput(
+            input_layouts=(tp.residual,), desired_input_layouts=(Shard(1),), use_local_input=True,
+            output_layouts=(Shard(1),), desired_output_layouts=(tp.residual,), use_local_output=True)}

@@ -1,4 +1,5 @@
-"""The decoder-only transformer (Llama 3, Qwen3, and with moe.py's MLP Qwen3-MoE and Mixtral), in plain PyTorch.
+"""The decoder-only transformer and its blocks, in plain PyTorch; each family (models/families/) says
+which blocks its layers are built of.
 
 Module names follow Hugging Face's (``layers.N.self_attn.q_proj`` ...) so that the checkpoint
 adapters are a prefix away. RoPE uses HF's rotate-half layout, so imported q/k weights need no
@@ -13,14 +14,20 @@ parameter's name, never on the layout (see ``initialize``).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Replicate
+
 from meshtrain.config import ModelConfig, RopeScalingConfig
 from meshtrain.models.checkpointing import run_layer
 from meshtrain.models import documents
 from meshtrain.models.moe import MoE
+
+if TYPE_CHECKING:
+    from meshtrain.parallel.styles import TensorParallelStyles
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScalingConfig) -> torch.Tensor:
@@ -74,14 +81,15 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, *, bias: bool = False, qk_norm: bool = False):
+        """bias: on q/k/v (Qwen2's); qk_norm: RMSNorm on each head's queries and keys (Qwen3's)."""
         super().__init__()
         self.head_dim = cfg.resolved_head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * self.head_dim, bias=False)
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias=False)
-        self.qk_norm = cfg.qk_norm
+        self.qk_norm = qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -106,6 +114,16 @@ class Attention(nn.Module):
             enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
+    def tp_plan(self, tp: TensorParallelStyles) -> dict:
+        """Megatron's: q/k/v column-parallel (each rank a slice of the heads), o row-parallel."""
+        plan = {"q_proj": tp.colwise(), "k_proj": tp.colwise(), "v_proj": tp.colwise(),
+                "o_proj": tp.rowwise(output_layouts=tp.residual)}
+        if self.qk_norm:
+            # Input [batch, seq, local_heads, head_dim] is sharded on the heads dim (2).
+            plan |= {"q_norm": tp.sequence_parallel(sequence_dim=2, use_local_output=True),
+                     "k_norm": tp.sequence_parallel(sequence_dim=2, use_local_output=True)}
+        return plan
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
@@ -118,18 +136,21 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
+    def tp_plan(self, tp: TensorParallelStyles) -> dict:
+        """gate/up column-parallel (each rank a slice of the FFN), down row-parallel; the input becomes
+        one Replicate DTensor shared by gate and up (see DecoderLayer.tp_plan)."""
+        return {"gate_proj": tp.colwise(), "up_proj": tp.colwise(), "down_proj": tp.rowwise(output_layouts=tp.residual),
+                "": tp.prepare_input(input_layouts=(tp.residual,), desired_input_layouts=(Replicate(),))}
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
+        family = cfg.definition
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = family.attention(cfg, index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if cfg.is_sparse_layer(index):
-            shared = MLP(cfg, cfg.shared_expert_intermediate_size) if cfg.shared_expert_intermediate_size else None
-            self.mlp = MoE(cfg, shared)
-        else:
-            self.mlp = MLP(cfg)
+        self.mlp = family.mlp(cfg, index)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -143,6 +164,23 @@ class DecoderLayer(nn.Module):
 
     def mlp_residual(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def tp_plan(self, tp: TensorParallelStyles) -> dict:
+        """The layer's ``parallelize_module`` plan: each block's own, and the norms under SP."""
+        # The attention inputs become one Replicate DTensor shared by q/k/v (the MLP's by gate/up),
+        # so backward sums their Partial input gradients first and all-reduces once per block, not
+        # once per projection (bench/compare.py measured 3 extra all-reduces per layer without
+        # this). (hidden, cos, sin, mask): under SP this also gathers the sequence before the
+        # column-parallel projections. With float8 the input is cast before the gather (half of
+        # bf16's bytes) with its global amax.
+        plan = {"self_attn": tp.prepare_input(input_layouts=(tp.residual, None, None, None),
+                                              desired_input_layouts=(Replicate(), None, None, None))}
+        for name in ("self_attn", "mlp"):
+            for path, style in getattr(self, name).tp_plan(tp).items():
+                plan[f"{name}.{path}" if path else name] = style
+        if tp.sequence_parallel_norms:
+            plan |= {"input_layernorm": tp.sequence_parallel(), "post_attention_layernorm": tp.sequence_parallel()}
+        return plan
 
 
 class Transformer(nn.Module):
@@ -226,6 +264,8 @@ def init_std_for(name: str, cfg: ModelConfig) -> float | None:
     """Std of the normal init for a parameter, or None for ones (norm weights)."""
     if name.endswith("norm.weight"):
         return None
+    if name.endswith(".bias"):
+        return 0.0
     if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
         return cfg.init_std / math.sqrt(2 * cfg.num_hidden_layers)
     return cfg.init_std

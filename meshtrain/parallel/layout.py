@@ -196,13 +196,10 @@ def plan_layout(cfg: JobConfig, world_size: int) -> Layout:
 
 def check_moe_model(m) -> None:
     """The MoE fields: set on MoE families, consistent, and absent on dense ones."""
+    for problem, fix in m.definition.check(m):
+        _fail(problem, fix)
     if not m.is_moe:
-        if m.num_experts:
-            _fail(f"model.num_experts={m.num_experts} on the dense family {m.family!r}",
-                  "use family qwen3_moe or mixtral, or set model.num_experts=0")
         return
-    if m.num_experts < 2:
-        _fail(f"model.family={m.family} needs model.num_experts >= 2, got {m.num_experts}", "set model.num_experts")
     if not 1 <= m.num_experts_per_tok <= m.num_experts:
         _fail(f"model.num_experts_per_tok={m.num_experts_per_tok} must be between 1 and model.num_experts="
               f"{m.num_experts}", "route each token to at most num_experts experts")

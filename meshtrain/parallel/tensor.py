@@ -1,4 +1,5 @@
-"""Tensor and sequence parallelism: the ``parallelize_module`` plan for the transformer.
+"""Tensor and sequence parallelism: the ``parallelize_module`` plan for the transformer (the
+embedding and head here, each block's from its own ``tp_plan``).
 
 Megatron's scheme: q/k/v and gate/up are column-parallel (each rank holds a slice of the heads or
 of the FFN), o and down are row-parallel, so each block costs one all-reduce in forward for
@@ -31,14 +32,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
-    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
 from meshtrain.models.transformer import Transformer
-from meshtrain.models.moe import MoE
+from meshtrain.parallel.styles import TensorParallelStyles
 
 
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
@@ -68,45 +68,10 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, sequence_p
         # again: one parameter, whose gradient sums both uses.
         model.tie_weights()
 
+    styles = TensorParallelStyles(colwise, rowwise, prepare_input, SequenceParallel, residual,
+                                  sequence_parallel_norms=sp)
     for layer in model.layers.values():
-        plan = {
-            "self_attn.q_proj": colwise(),
-            "self_attn.k_proj": colwise(),
-            "self_attn.v_proj": colwise(),
-            "self_attn.o_proj": rowwise(output_layouts=residual),
-        }
-        # The block inputs become one Replicate DTensor shared by q/k/v (gate/up), so backward sums
-        # their Partial input gradients first and all-reduces once per block, not once per projection
-        # (bench/compare.py measured 3 extra all-reduces per layer without this). (hidden, cos, sin,
-        # mask): under SP this also gathers the sequence before the column-parallel projections.
-        # With float8 the input is cast before the gather (half of bf16's bytes) with its global amax.
-        plan["self_attn"] = prepare_input(input_layouts=(residual, None, None, None),
-                                          desired_input_layouts=(Replicate(), None, None, None))
-        if isinstance(layer.mlp, MoE):
-            # Each tp rank routes its own slice of the sequence (free under SP; a slice in and an
-            # all-gather out without it); the MoE weights stay whole, see sum_moe_grads_over_tp.
-            plan["mlp"] = PrepareModuleInputOutput(
-                input_layouts=(residual,), desired_input_layouts=(Shard(1),), use_local_input=True,
-                output_layouts=(Shard(1),), desired_output_layouts=(residual,), use_local_output=True)
-        else:
-            plan |= {
-                "mlp.gate_proj": colwise(),
-                "mlp.up_proj": colwise(),
-                "mlp.down_proj": rowwise(output_layouts=residual),
-                "mlp": prepare_input(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
-            }
-        if sp:
-            plan |= {
-                "input_layernorm": SequenceParallel(),
-                "post_attention_layernorm": SequenceParallel(),
-            }
-        if layer.self_attn.qk_norm:
-            # Input [batch, seq, local_heads, head_dim] is sharded on the heads dim (2).
-            plan |= {
-                "self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-                "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-            }
-        parallelize_module(layer, tp_mesh, plan)
+        parallelize_module(layer, tp_mesh, layer.tp_plan(styles))
 
 
 def _float8_styles():

@@ -125,7 +125,7 @@ def shape_from_model_config(m: ModelConfig, name: str) -> ModelShape:
                    dense_layers=tuple(i for i in range(m.num_hidden_layers) if not m.is_sparse_layer(i)))
     return ModelShape(name=name, vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_layers=m.num_hidden_layers,
                       num_heads=m.num_attention_heads, num_kv_heads=m.num_key_value_heads, head_dim=m.resolved_head_dim,
-                      intermediate_size=m.intermediate_size, tied=m.tie_word_embeddings, qk_norm=m.qk_norm,
+                      intermediate_size=m.intermediate_size, tied=m.tie_word_embeddings, qk_norm=m.definition.qk_norm,
                       max_position_embeddings=m.max_position_embeddings, **moe)
 
 

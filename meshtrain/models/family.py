@@ -1,0 +1,168 @@
+"""What a model family is: everything meshtrain knows about one architecture, asked by generic code.
+
+A family (one module in ``models/families/``, found by its file name) says how its decoder layers
+are built from the blocks of ``models/transformer.py`` and ``models/moe.py``, which of its layers
+are mixture-of-experts, how its tensors are named in a Hugging Face checkpoint (stacked experts
+split per expert, blocks renamed), and how its config.json reads and writes. The blocks carry their
+own tensor-parallel plans, so a family built from existing blocks has its plan, its planner
+inventory (the model on the meta device) and its FLOPs with no code elsewhere; a family with a new
+kind of block writes that block and its plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+from torch import nn
+
+from meshtrain.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from meshtrain.config import ModelConfig
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """Where a family's Hugging Face checkpoint keeps the experts meshtrain stacks as [E, ...]:
+    ``model.layers.N.{block}.experts.{e}.{names[kind]}.weight`` for kind in gate/up/down_proj."""
+
+    block: str = "mlp"
+    names: dict[str, str] = field(default_factory=lambda: {"gate_proj": "gate_proj", "up_proj": "up_proj",
+                                                           "down_proj": "down_proj"})
+
+
+class Family:
+    """The Llama-shaped decoder every family starts from; subclasses change what differs."""
+
+    name: str = ""
+    """``model.family``: the name of the family's module in models/families/."""
+    architecture: str = ""
+    """config.json's ``architectures[0]`` (the transformers class)."""
+    model_type: str = ""
+    qk_norm: bool = False
+    """RMSNorm on each head's queries and keys before RoPE (Qwen3)."""
+    attention_bias: bool = False
+    """Biases on the q/k/v projections (Qwen2); o_proj has none."""
+    experts: ExpertNames | None = None
+    """Set for a mixture-of-experts family: how its checkpoint names the experts."""
+    topk_always_normalized: bool = False
+    """The top-k routing weights sum to one whatever ``norm_topk_prob`` says (Mixtral)."""
+    unsupported: dict[str, Any] = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
+    """config.json keys whose value must be this one (the default when absent) for meshtrain's
+    blocks to compute what transformers computes; another value is an error naming the key."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts is not None
+
+    # --- the model -------------------------------------------------------------------------------
+
+    def is_sparse_layer(self, cfg: ModelConfig, layer: int) -> bool:
+        """Whether decoder layer ``layer`` has a mixture-of-experts MLP."""
+        return False
+
+    def attention(self, cfg: ModelConfig, layer: int) -> nn.Module:
+        from meshtrain.models.transformer import Attention
+        return Attention(cfg, bias=self.attention_bias, qk_norm=self.qk_norm)
+
+    def mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
+        from meshtrain.models.moe import MoE
+        from meshtrain.models.transformer import MLP
+        if not self.is_sparse_layer(cfg, layer):
+            return MLP(cfg)
+        shared = MLP(cfg, cfg.shared_expert_intermediate_size) if cfg.shared_expert_intermediate_size else None
+        return MoE(cfg, shared)
+
+    def check(self, cfg: ModelConfig) -> list[tuple[str, str]]:
+        """Settings this family cannot run, as (what is wrong, the fix); validation raises the first."""
+        if cfg.num_experts and not self.is_moe:
+            from meshtrain.models import families
+            moe = " or ".join(f.name for f in families.every() if f.is_moe)
+            return [(f"model.num_experts={cfg.num_experts} on the dense family {self.name!r}",
+                     f"use family {moe}, or set model.num_experts=0")]
+        return []
+
+    # --- Hugging Face tensor names ---------------------------------------------------------------
+
+    def to_hf(self, state_dict: dict[str, T], cfg: ModelConfig) -> dict[str, T]:
+        """meshtrain names -> HF names (values are tensors, or shapes). A tied output projection is
+        not written (HF omits it too), or, without the embedding beside it (a pipeline's last
+        stage), is the embedding; stacked experts become HF's per-expert tensors (views)."""
+        out: dict[str, T] = {}
+        for name, value in state_dict.items():
+            if cfg.tie_word_embeddings and name == LM_HEAD:
+                if "embed_tokens.weight" in state_dict:
+                    continue
+                name = "embed_tokens.weight"  # a pipeline's last stage: its head is the embedding's copy
+            if self.experts is not None and (".mlp.gate." in name or ".mlp.experts." in name):
+                prefix, rest = name.split(".mlp.", 1)
+                if rest.startswith("experts."):
+                    kind = rest.removeprefix("experts.")
+                    for e, v in _per_expert(value, cfg.num_experts).items():
+                        out[f"model.{prefix}.{self.experts.block}.experts.{e}.{self.experts.names[kind]}.weight"] = v
+                    continue
+                name = f"{prefix}.{self.experts.block}.{rest}"
+            elif self.experts is not None and ".mlp." in name:
+                name = name.replace(".mlp.", f".{self.experts.block}.", 1)
+            out[LM_HEAD if name == LM_HEAD else f"model.{name}"] = value
+        return out
+
+    def from_hf(self, hf_state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+        """HF names -> meshtrain names; per-expert tensors are stacked (copies)."""
+        out: dict[str, torch.Tensor] = {}
+        experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+        block = self.experts.block if self.experts else "mlp"
+        kinds = {hf: ours for ours, hf in self.experts.names.items()} if self.experts else {}
+        for key, value in hf_state_dict.items():
+            if key != LM_HEAD and not key.startswith("model."):
+                raise KeyError(key)
+            name = key.removeprefix("model.")
+            if self.experts is not None and f".{block}.experts." in name:
+                prefix, rest = name.split(f".{block}.experts.", 1)
+                index, hf_kind, _ = rest.split(".")
+                experts.setdefault((prefix, kinds[hf_kind]), {})[int(index)] = value
+                continue
+            out[name.replace(f".{block}.", ".mlp.", 1)] = value
+        for (prefix, kind), per_expert in experts.items():
+            out[f"{prefix}.mlp.experts.{kind}"] = torch.stack([per_expert[e] for e in range(cfg.num_experts)])
+        return out
+
+    # --- config.json -----------------------------------------------------------------------------
+
+    def config_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
+        """The ModelConfig fields this family reads beyond the common ones (hf/adapter.py)."""
+        return {}
+
+    def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
+        """The config.json keys this family writes beyond the common ones."""
+        return {"hidden_act": "silu", "attention_bias": False}
+
+
+LM_HEAD = "lm_head.weight"
+
+
+def require(hf: dict, key: str, expected: Any, where: str) -> None:
+    value = hf.get(key, expected)
+    if value != expected:
+        raise CheckpointError(f"{where}: {key}={value!r} is not supported (meshtrain's model implements "
+                              f"{key}={expected!r}); this checkpoint cannot be trained faithfully")
+
+
+def required(hf: dict, key: str, where: str) -> Any:
+    if key not in hf:
+        raise CheckpointError(f"{where}: required key {key!r} is missing")
+    return hf[key]
+
+
+def _per_expert(value, num_experts: int) -> dict:
+    """A stacked value's slices by expert index: views of a tensor, the shape of one expert, or
+    (already split, by ``hf_io`` for sharded experts) the experts this rank holds."""
+    if isinstance(value, dict):
+        return value
+    if isinstance(value, torch.Size):
+        return dict.fromkeys(range(num_experts), torch.Size(value[1:]))
+    return dict(enumerate(value.unbind(0)))
