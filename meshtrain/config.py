@@ -55,6 +55,9 @@ class ModelConfig:
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    """Local attention: each token attends to itself and the sliding_window - 1 tokens before it, on the
+    layers the family windows (Mistral: every layer); None: full causal attention."""
     init_std: float = 0.02
     """Std of the normal init; output projections use init_std / sqrt(2 * num_hidden_layers)."""
     init_from_hf: str | None = None

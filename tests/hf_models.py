@@ -18,6 +18,15 @@ FAMILIES = {  # family: (transformers config class, its tiny config)
     "qwen3": ("Qwen3Config", dict(
         vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)),
+    # awkward sizes: an odd vocabulary, grouped-query attention, Mistral's head_dim not hidden / heads
+    # and a window shorter than the tests' sequences
+    "qwen2": ("Qwen2Config", dict(
+        vocab_size=383, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)),
+    "mistral": ("MistralConfig", dict(
+        vocab_size=383, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=16, max_position_embeddings=256, bos_token_id=1,
+        eos_token_id=2)),
     "qwen3_moe": ("Qwen3MoeConfig", dict(
         vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
@@ -45,6 +54,8 @@ def hf_model(family: str, dtype=torch.float32, seed: int = 0, **overrides):
         for name, p in model.named_parameters():
             if "norm" in name:  # norm weights start at one
                 p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith(".bias"):  # biases start at zero
+                p.normal_(0.0, 0.1)
             if name.endswith("gate.weight"):  # MoE routers: random, so that every expert gets tokens
                 p.normal_(0.0, 0.5)
     return model

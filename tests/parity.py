@@ -47,6 +47,22 @@ FAMILY_LAYOUTS = {  # family: (model options over TINY, {layout: (ranks, paralle
         # foreach step must not mix them (it raised before the param groups were split by kind)
         "tp2": (2, ("--parallel.tp", "2"), ()),
     }),
+    # q/k/v biases: column-parallel with their weights, gathered by FSDP, on each stage
+    "qwen2": (("--model.family", "qwen2"), {
+        "dp2": (2, ("--parallel.dp-shard", "2"), ()),
+        "tp2-sp": (2, ("--parallel.tp", "2", "--parallel.sp", "True"), ()),
+        "pp2": (2, ("--parallel.pp", "2"), PP_MODEL),
+        "cp2": (2, ("--parallel.cp", "2"), ()),
+        "pp2-dp2-tp2-sp": (8, ("--parallel.pp", "2", "--parallel.tp", "2", "--parallel.sp", "True"), PP_MODEL),
+    }),
+    # a window of 8 in sequences of 32 (cp with a window shorter than the sequence is refused), and
+    # head_dim 8, not hidden / heads = 16
+    "mistral": (("--model.family", "mistral", "--model.sliding-window", "8", "--model.head-dim", "8"), {
+        "dp2": (2, ("--parallel.dp-shard", "2"), ()),
+        "tp2-sp": (2, ("--parallel.tp", "2", "--parallel.sp", "True"), ()),
+        "pp2": (2, ("--parallel.pp", "2"), PP_MODEL),
+        "pp2-dp2-tp2-sp": (8, ("--parallel.pp", "2", "--parallel.tp", "2", "--parallel.sp", "True"), PP_MODEL),
+    }),
 }
 """Families other than Llama (tests/test_parallel.py's full matrix) and the MoE families
 (tests/test_moe.py's), each on a few layouts chosen for what the family adds."""

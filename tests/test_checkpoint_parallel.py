@@ -26,8 +26,14 @@ IMPORT_LAYOUTS = {
     "llama-tied-bf16-tp2-sp": (2, "llama", torch.bfloat16, ["--parallel.tp", "2", "--parallel.sp", "True"]),
     # the last stage's head is read from, and written back as, the embedding's one tensor
     "llama-tied-fp32-pp2": (2, "llama", torch.float32, ["--parallel.pp", "2"]),
+    # q/k/v biases read and written as column-parallel slices, beside a tied vocab-parallel matrix
+    "qwen2-tied-bf16-tp2-sp": (2, "qwen2", torch.bfloat16, ["--parallel.tp", "2", "--parallel.sp", "True"]),
+    # a head_dim that is not hidden / heads, split by head over the stages' ranks
+    "mistral-fp32-pp2-tp2": (4, "mistral", torch.float32, ["--parallel.pp", "2", "--parallel.tp", "2"]),
 }
-OVERRIDES = {"llama-tied-bf16-tp2-sp": {"tie_word_embeddings": True}, "llama-tied-fp32-pp2": {"tie_word_embeddings": True}}
+OVERRIDES = {"llama-tied-bf16-tp2-sp": {"tie_word_embeddings": True}, "llama-tied-fp32-pp2": {"tie_word_embeddings": True},
+             "qwen2-tied-bf16-tp2-sp": {"tie_word_embeddings": True, "vocab_size": 384},
+             "mistral-fp32-pp2-tp2": {"vocab_size": 384}}
 
 
 def import_job(name: str) -> Job:

@@ -29,18 +29,19 @@ def test_ids_masks_and_positions_follow_the_eos():
     assert torch.equal(mask[1], torch.ones(7, 7, dtype=torch.bool).tril())
 
 
-def model(family: str) -> Transformer:
+def model(family: str, **fields) -> Transformer:
     cfg = ModelConfig(family=family, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64, **fields)
     m = Transformer(cfg)
     init_weights(m, 0)
     m.reset_position_ids = True
     return m
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral"])
 def test_a_packed_sample_equals_its_documents_run_one_by_one(family):
-    m = model(family)
+    # mistral: a window of 5 inside documents of 5 to 12 tokens, so both masks cut
+    m = model(family, **({"sliding_window": 5} if family == "mistral" else {}))
     g = torch.Generator().manual_seed(0)
     docs = [torch.randint(0, EOS, (n,), generator=g).tolist() + [EOS] for n in (6, 11, 4)]
     packed = torch.tensor([sum(docs, [])])

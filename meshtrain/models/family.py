@@ -47,6 +47,8 @@ class Family:
     """RMSNorm on each head's queries and keys before RoPE (Qwen3)."""
     attention_bias: bool = False
     """Biases on the q/k/v projections (Qwen2); o_proj has none."""
+    windowed: bool = False
+    """Every layer's attention is local over ``model.sliding_window`` tokens when that is set (Mistral)."""
     experts: ExpertNames | None = None
     """Set for a mixture-of-experts family: how its checkpoint names the experts."""
     topk_always_normalized: bool = False
@@ -67,7 +69,8 @@ class Family:
 
     def attention(self, cfg: ModelConfig, layer: int) -> nn.Module:
         from meshtrain.models.transformer import Attention
-        return Attention(cfg, bias=self.attention_bias, qk_norm=self.qk_norm)
+        return Attention(cfg, bias=self.attention_bias, qk_norm=self.qk_norm,
+                         sliding_window=cfg.sliding_window if self.windowed else None)
 
     def mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
         from meshtrain.models.moe import MoE
@@ -79,6 +82,10 @@ class Family:
 
     def check(self, cfg: ModelConfig) -> list[tuple[str, str]]:
         """Settings this family cannot run, as (what is wrong, the fix); validation raises the first."""
+        if cfg.sliding_window is not None and not self.windowed:
+            return [(f"model.sliding_window={cfg.sliding_window} on the family {self.name!r}, whose attention is "
+                     "not local", "drop model.sliding_window (or choose a family with sliding-window layers, e.g. "
+                     "mistral)")]
         if cfg.num_experts and not self.is_moe:
             from meshtrain.models import families
             moe = " or ".join(f.name for f in families.every() if f.is_moe)

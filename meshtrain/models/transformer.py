@@ -80,10 +80,21 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+def sliding_window_mask(mask: torch.Tensor | None, seq: int, window: int, device: torch.device) -> torch.Tensor:
+    """``mask`` (block-causal, or None for causal) without the keys window or more positions back:
+    query i attends key j iff i - window < j <= i (transformers' sliding_window_overlay)."""
+    i = torch.arange(seq, device=device)
+    band = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+    return band if mask is None else mask & band
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, bias: bool = False, qk_norm: bool = False):
-        """bias: on q/k/v (Qwen2's); qk_norm: RMSNorm on each head's queries and keys (Qwen3's)."""
+    def __init__(self, cfg: ModelConfig, *, bias: bool = False, qk_norm: bool = False,
+                 sliding_window: int | None = None):
+        """bias: on q/k/v (Qwen2's); qk_norm: RMSNorm on each head's queries and keys (Qwen3's);
+        sliding_window: local attention over that many tokens (Mistral's)."""
         super().__init__()
+        self.sliding_window = sliding_window
         self.head_dim = cfg.resolved_head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * self.head_dim, bias=bias)
@@ -109,6 +120,11 @@ class Attention(nn.Module):
         if cos.dim() == 2:
             cos, sin = cos[:seq], sin[:seq]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.sliding_window is not None and seq > self.sliding_window:
+            # A window at least the sequence is causal attention (and keeps the flash kernels).
+            # Context parallelism sees a slice of the sequence here: parallel/layout.py refuses
+            # cp with a window shorter than train.seq_len.
+            mask = sliding_window_mask(mask, seq, self.sliding_window, x.device)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None,
             enable_gqa=True)

@@ -123,6 +123,11 @@ def plan_layout(cfg: JobConfig, world_size: int) -> Layout:
             f"use a seq_len that is a multiple of {2 * p.cp}",
         )
 
+    if p.cp > 1 and m.sliding_window is not None and m.sliding_window < t.seq_len:
+        _fail(f"model.sliding_window={m.sliding_window} < train.seq_len={t.seq_len} with parallel.cp={p.cp} is not "
+              "supported: ring attention gives each rank a slice of the keys and has no local-window mask",
+              f"set parallel.cp=1, or train.seq_len <= {m.sliding_window} (then the window covers every sequence "
+              "and attention is causal)")
     if m.is_moe and p.tp > 1 and (t.seq_len // p.cp) % p.tp:
         _fail(f"train.seq_len={t.seq_len} / cp={p.cp} must be divisible by tp={p.tp} for the MoE family {m.family} "
               "(each tp rank routes its own slice of the sequence through the experts)",
@@ -195,7 +200,7 @@ def plan_layout(cfg: JobConfig, world_size: int) -> Layout:
 
 
 def check_moe_model(m) -> None:
-    """The MoE fields: set on MoE families, consistent, and absent on dense ones."""
+    """The family's own rules (models/family.py: Family.check), and the MoE fields consistent."""
     for problem, fix in m.definition.check(m):
         _fail(problem, fix)
     if not m.is_moe:
