@@ -19,9 +19,10 @@ BUNDLED_CORPUS = str(pathlib.Path(__file__).parent / "data" / "corpus" / "python
 
 @dataclass
 class RopeScalingConfig:
-    """RoPE frequency scaling (Llama 3 style); type "none" disables it."""
+    """RoPE frequency scaling: llama3 (Llama 3.1's blend), linear (every frequency / factor, Gemma 3's
+    global layers); "none" disables it."""
 
-    type: Literal["none", "llama3"] = "none"
+    type: Literal["none", "llama3", "linear"] = "none"
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -57,7 +58,16 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
     """Local attention: each token attends to itself and the sliding_window - 1 tokens before it, on the
-    layers the family windows (Mistral: every layer); None: full causal attention."""
+    layers the family windows (Mistral: every layer; Gemma 3: the "sliding_attention" layer_types);
+    None: full causal attention."""
+    layer_types: list[str] = field(default_factory=list)
+    """Per layer "full_attention" or "sliding_attention", for families that mix them (Gemma 3); empty:
+    the family's own pattern."""
+    local_rope_theta: float | None = None
+    """RoPE base of the sliding-window layers where it differs from rope_theta (Gemma 3: 10000 beside
+    1e6); those layers use no rope_scaling."""
+    query_pre_attn_scalar: int | None = None
+    """Attention scores scaled by query_pre_attn_scalar ** -0.5 rather than head_dim ** -0.5 (Gemma)."""
     init_std: float = 0.02
     """Std of the normal init; output projections use init_std / sqrt(2 * num_hidden_layers)."""
     init_from_hf: str | None = None

@@ -45,6 +45,8 @@ RULES: list[Rule] = [
     _positive("model.num_key_value_heads"),
     _optional(_positive("model.head_dim")),
     _optional(_positive("model.sliding_window")),
+    _optional(_above_zero("model.local_rope_theta", "use e.g. 10000")),
+    _optional(_positive("model.query_pre_attn_scalar")),
     _above_zero("model.rms_norm_eps", "use e.g. 1e-5"),
     _above_zero("model.rope_theta", "use e.g. 10000 or 500000"),
     _positive("model.max_position_embeddings"),

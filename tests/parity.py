@@ -38,6 +38,11 @@ COMPILED_RTOL = 1e-4
 """Compiled layers against the eager reference: inductor's fused kernels sum in another order."""
 
 QWEN3 = ("--model.family", "qwen3")
+GEMMA3 = ("--model.family", "gemma3", "--model.tie-word-embeddings", "True", "--model.sliding-window", "8",
+          "--model.local-rope-theta", "10000", "--model.head-dim", "8", "--model.query-pre-attn-scalar", "12",
+          "--model.layer-types", "sliding_attention", "full_attention")
+GEMMA3_PP = PP_MODEL + ("--model.layer-types", "sliding_attention", "full_attention", "sliding_attention",
+                        "full_attention")
 FAMILY_LAYOUTS = {  # family: (model options over TINY, {layout: (ranks, parallel options, more model options)})
     "qwen3": (QWEN3, {
         # q/k norms are replicated over tp and fed sharded heads: their grads must be summed over tp
@@ -55,13 +60,23 @@ FAMILY_LAYOUTS = {  # family: (model options over TINY, {layout: (ranks, paralle
         "cp2": (2, ("--parallel.cp", "2"), ()),
         "pp2-dp2-tp2-sp": (8, ("--parallel.pp", "2", "--parallel.tp", "2", "--parallel.sp", "True"), PP_MODEL),
     }),
-    # a window of 8 in sequences of 32 (cp with a window shorter than the sequence is refused), and
-    # head_dim 8, not hidden / heads = 16
+    # a window of 8 in sequences of 32 (under cp: keys gathered, the window masked by global position),
+    # and head_dim 8, not hidden / heads = 16
     "mistral": (("--model.family", "mistral", "--model.sliding-window", "8", "--model.head-dim", "8"), {
         "dp2": (2, ("--parallel.dp-shard", "2"), ()),
         "tp2-sp": (2, ("--parallel.tp", "2", "--parallel.sp", "True"), ()),
         "pp2": (2, ("--parallel.pp", "2"), PP_MODEL),
+        "cp2": (2, ("--parallel.cp", "2"), ()),
         "pp2-dp2-tp2-sp": (8, ("--parallel.pp", "2", "--parallel.tp", "2", "--parallel.sp", "True"), PP_MODEL),
+    }),
+    # a local layer (window 8, its own RoPE base) and a global one, four norms per layer, a tied scaled
+    # embedding, query_pre_attn_scalar 12 with head_dim 8
+    "gemma3": (GEMMA3, {
+        "dp2": (2, ("--parallel.dp-shard", "2"), ()),
+        "tp2-sp": (2, ("--parallel.tp", "2", "--parallel.sp", "True"), ()),
+        "pp2": (2, ("--parallel.pp", "2"), GEMMA3_PP),
+        "cp2": (2, ("--parallel.cp", "2"), ()),
+        "pp2-dp2-tp2-sp": (8, ("--parallel.pp", "2", "--parallel.tp", "2", "--parallel.sp", "True"), GEMMA3_PP),
     }),
 }
 """Families other than Llama (tests/test_parallel.py's full matrix) and the MoE families

@@ -38,10 +38,15 @@ def model(family: str, **fields) -> Transformer:
     return m
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral"])
+WINDOWED = {"mistral": dict(sliding_window=5),
+            "gemma3": dict(sliding_window=5, layer_types=["sliding_attention", "full_attention"], local_rope_theta=1e4,
+                           tie_word_embeddings=True, query_pre_attn_scalar=10)}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral", "gemma3"])
 def test_a_packed_sample_equals_its_documents_run_one_by_one(family):
-    # mistral: a window of 5 inside documents of 5 to 12 tokens, so both masks cut
-    m = model(family, **({"sliding_window": 5} if family == "mistral" else {}))
+    # mistral, gemma3: a window of 5 inside documents of 5 to 12 tokens, so both masks cut
+    m = model(family, **WINDOWED.get(family, {}))
     g = torch.Generator().manual_seed(0)
     docs = [torch.randint(0, EOS, (n,), generator=g).tolist() + [EOS] for n in (6, 11, 4)]
     packed = torch.tensor([sum(docs, [])])

@@ -97,6 +97,36 @@ def test_mixtral_and_qwen3_moe_from_hf_configs(tmp_path):
         assert p.sizes.ep > 1 and shape.num_experts % p.sizes.ep == 0
 
 
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_dense_family_configs_plan_the_tensors_transformers_builds(family, tmp_path):
+    """The inventory is the model itself: Qwen2's q/k/v biases and Mistral's head_dim counted (and a tied
+    head once), with the biases split by tp like their weights."""
+    from tests.hf_models import hf_config
+
+    hf = hf_config(family, tie_word_embeddings=family == "qwen2")
+    with torch.device("meta"):
+        want = sum(p.numel() for p in transformers_model(hf).parameters())
+    hf.save_pretrained(tmp_path)
+    shape = shape_from_hf_config(json.loads((tmp_path / "config.json").read_text()), family)
+    assert total_parameters(shape) == want
+    biases = {t.name: t.tp_dim for t in parameter_tensors(shape) if t.name.endswith(".bias")}
+    assert (len(biases) == 3 * 2 and set(biases.values()) == {0}) if family == "qwen2" else not biases
+    p, _ = plan(model=str(tmp_path), gpus=2, seq_len=32)
+    assert p.sizes.world == 2
+
+
+def test_an_architecture_meshtrain_cannot_train_is_planned_by_size_instead(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 64}))
+    with pytest.raises(ConfigError, match=r"DeepseekV3ForCausalLM.*not supported.*Fix: plan it by size instead"):
+        plan(model=str(tmp_path), gpus=8)
+
+
+def transformers_model(config):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
 def test_a_meshtrain_yaml_supplies_shape_sequence_and_precision():
     p, cfg = plan(model=str(ROOT / "configs" / "debug.yaml"), gpus=4)
     job = __import__("meshtrain.config_files", fromlist=["load_yaml"]).load_yaml(str(ROOT / "configs" / "debug.yaml"))

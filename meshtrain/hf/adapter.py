@@ -62,19 +62,39 @@ def _rope_from_hf(hf: dict, where: str) -> tuple[float, RopeScalingConfig]:
     legacy = hf.get("rope_scaling") or {}
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     scaling = params if params.get("rope_type", "default") != "default" else legacy
+    return float(theta), rope_scaling_from_hf(scaling, where)
+
+
+def rope_scaling_from_hf(scaling: dict, where: str) -> RopeScalingConfig:
+    """One rope_parameters (or legacy rope_scaling) dict's scaling; its rope_theta is read by the caller."""
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
-        return float(theta), RopeScalingConfig()
+        return RopeScalingConfig()
+    if kind == "linear":
+        return RopeScalingConfig(type="linear", factor=float(scaling["factor"]))
     if kind != "llama3":
-        raise CheckpointError(f"{where}: rope_type {kind!r} is not supported (meshtrain implements 'default' "
-                              "and 'llama3')")
+        raise CheckpointError(f"{where}: rope_type {kind!r} is not supported (meshtrain implements 'default', "
+                              "'linear' and 'llama3')")
     defaults = RopeScalingConfig()
-    return float(theta), RopeScalingConfig(
+    return RopeScalingConfig(
         type="llama3", factor=float(scaling.get("factor", defaults.factor)),
         low_freq_factor=float(scaling.get("low_freq_factor", defaults.low_freq_factor)),
         high_freq_factor=float(scaling.get("high_freq_factor", defaults.high_freq_factor)),
         original_max_position_embeddings=int(scaling.get("original_max_position_embeddings",
                                                          defaults.original_max_position_embeddings)))
+
+
+def rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """rope_parameters (transformers 5) of the model's (global) RoPE."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    s = cfg.rope_scaling
+    if s.type == "linear":
+        rope = {"rope_type": "linear", "rope_theta": cfg.rope_theta, "factor": s.factor}
+    elif s.type == "llama3":
+        rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": s.factor,
+                "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_position_embeddings}
+    return rope
 
 
 def model_config_from_hf(hf: dict, where: str = "config.json") -> tuple[ModelConfig, torch.dtype | None]:
@@ -118,12 +138,7 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> tuple[ModelCon
 def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype, base: dict | None = None) -> dict:
     """meshtrain's ModelConfig -> a transformers 5 config.json dict. ``base`` (the config.json the
     weights came from) contributes what meshtrain does not model, such as token ids."""
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if cfg.rope_scaling.type == "llama3":
-        s = cfg.rope_scaling
-        rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": s.factor,
-                "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
-                "original_max_position_embeddings": s.original_max_position_embeddings}
+    rope = rope_to_hf(cfg)
     family = cfg.definition
     ours = {
         "architectures": [family.architecture],

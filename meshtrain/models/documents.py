@@ -8,9 +8,10 @@ sample computes what its documents would compute one by one. Megatron's names: r
 reset_position_ids. The mask goes to SDPA as a boolean ``attn_mask`` (the math kernel on CPU, the
 memory-efficient one on CUDA).
 
-The model asks ``attention_mask`` and ``token_positions`` (module attributes, looked up at each
-call) for what a batch's ids mean; context parallelism (parallel/context.py) replaces both while a
-batch is sharded over the sequence, where a rank's queries meet every rank's keys.
+The model asks ``attention_mask``, ``token_positions`` and ``query_key_positions`` (module
+attributes, looked up at each call) for what a batch's ids mean; context parallelism
+(parallel/context.py) replaces them while a batch is sharded over the sequence, where a rank's
+queries meet every rank's keys.
 """
 
 from __future__ import annotations
@@ -46,6 +47,14 @@ def attention_mask(ids: torch.Tensor) -> torch.Tensor | None:
     """What attention uses for a batch's document ids: None where no sample holds two documents
     (plain causal attention, flash kernels), else the block-causal mask."""
     return block_causal_mask(ids) if bool(ids[:, -1].any()) else None
+
+
+def query_key_positions(seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query's and each key's position in the whole sequence, for masks built from distances
+    (sliding windows): 0..seq-1 both; under context parallelism a rank's queries are its
+    load-balanced share and the keys are every rank's (parallel/context.py replaces this)."""
+    positions = torch.arange(seq, device=device)
+    return positions, positions
 
 
 def token_positions(ids: torch.Tensor, reset: bool, mask: torch.Tensor | None) -> torch.Tensor | None:

@@ -49,6 +49,11 @@ class Family:
     """Biases on the q/k/v projections (Qwen2); o_proj has none."""
     windowed: bool = False
     """Every layer's attention is local over ``model.sliding_window`` tokens when that is set (Mistral)."""
+    offset_norm: bool = False
+    """Gemma's RMSNorm: (1 + weight), computed in fp32."""
+    settings: frozenset[str] = frozenset()
+    """The optional ModelConfig fields this family honours (and writes to config.json); another one set
+    is an error, never silently dropped."""
     experts: ExpertNames | None = None
     """Set for a mixture-of-experts family: how its checkpoint names the experts."""
     topk_always_normalized: bool = False
@@ -67,27 +72,58 @@ class Family:
         """Whether decoder layer ``layer`` has a mixture-of-experts MLP."""
         return False
 
+    @property
+    def norm_type(self) -> type[nn.Module]:
+        from meshtrain.models.transformer import OffsetRMSNorm, RMSNorm
+        return OffsetRMSNorm if self.offset_norm else RMSNorm
+
+    def norm(self, dim: int, eps: float) -> nn.Module:
+        return self.norm_type(dim, eps)
+
+    def decoder_layer(self, cfg: ModelConfig, layer: int) -> nn.Module:
+        from meshtrain.models.transformer import DecoderLayer
+        return DecoderLayer(cfg, layer)
+
+    def embedding_scale(self, cfg: ModelConfig) -> float | None:
+        """A factor on the embedding's output (Gemma: sqrt(hidden_size)), or None."""
+        return None
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP gate's activation: SwiGLU's SiLU."""
+        return torch.nn.functional.silu(x)
+
     def attention(self, cfg: ModelConfig, layer: int) -> nn.Module:
         from meshtrain.models.transformer import Attention
-        return Attention(cfg, bias=self.attention_bias, qk_norm=self.qk_norm,
-                         sliding_window=cfg.sliding_window if self.windowed else None)
+        window = self.sliding_window(cfg, layer)
+        return Attention(cfg, bias=self.attention_bias, qk_norm=self.norm_type if self.qk_norm else None,
+                         sliding_window=window, local_rope=window is not None and cfg.local_rope_theta is not None)
+
+    def sliding_window(self, cfg: ModelConfig, layer: int) -> int | None:
+        """The window of layer ``layer``'s attention, or None for full causal attention."""
+        return cfg.sliding_window if self.windowed else None
+
+    def has_local_attention(self, cfg: ModelConfig, seq_len: int) -> bool:
+        """Whether some layer's window is shorter than ``seq_len`` (else attention is causal throughout)."""
+        return any((self.sliding_window(cfg, i) or seq_len) < seq_len for i in range(cfg.num_hidden_layers))
 
     def mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
         from meshtrain.models.moe import MoE
         from meshtrain.models.transformer import MLP
         if not self.is_sparse_layer(cfg, layer):
-            return MLP(cfg)
+            return MLP(cfg, activation=self.activation)
         shared = MLP(cfg, cfg.shared_expert_intermediate_size) if cfg.shared_expert_intermediate_size else None
         return MoE(cfg, shared)
 
     def check(self, cfg: ModelConfig) -> list[tuple[str, str]]:
         """Settings this family cannot run, as (what is wrong, the fix); validation raises the first."""
-        if cfg.sliding_window is not None and not self.windowed:
-            return [(f"model.sliding_window={cfg.sliding_window} on the family {self.name!r}, whose attention is "
-                     "not local", "drop model.sliding_window (or choose a family with sliding-window layers, e.g. "
-                     "mistral)")]
+        from meshtrain.config import ModelConfig as Defaults
+        from meshtrain.models import families
+        for name in OPTIONAL_SETTINGS - self.settings:
+            if getattr(cfg, name) != getattr(Defaults(), name):
+                having = ", ".join(f.name for f in families.every() if name in f.settings)
+                return [(f"model.{name}={getattr(cfg, name)!r} on the family {self.name!r}, which has no such setting",
+                         f"drop model.{name} (families with it: {having})")]
         if cfg.num_experts and not self.is_moe:
-            from meshtrain.models import families
             moe = " or ".join(f.name for f in families.every() if f.is_moe)
             return [(f"model.num_experts={cfg.num_experts} on the dense family {self.name!r}",
                      f"use family {moe}, or set model.num_experts=0")]
@@ -150,6 +186,8 @@ class Family:
 
 
 LM_HEAD = "lm_head.weight"
+OPTIONAL_SETTINGS = frozenset({"sliding_window", "layer_types", "local_rope_theta", "query_pre_attn_scalar"})
+"""ModelConfig fields only some families have."""
 
 
 def require(hf: dict, key: str, expected: Any, where: str) -> None:

@@ -16,9 +16,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from meshtrain.models.transformer import Transformer, init_std_for
 
 
-def _full_value(name: str, shape: torch.Size, std: float | None, seed: int) -> torch.Tensor:
+def _full_value(name: str, shape: torch.Size, std: float | None, seed: int, constant: float = 1.0) -> torch.Tensor:
+    """A normal(0, std) draw, or with std None the ``constant`` (a norm's weight: 1, or Gemma's 0)."""
     if std is None:
-        return torch.ones(shape)
+        return torch.full(shape, constant)
     if std == 0:
         return torch.zeros(shape)
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
@@ -39,8 +40,9 @@ def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
 @torch.no_grad()
 def init_weights(model: Transformer, seed: int) -> None:
     for name, param in model.named_parameters():  # tied weights appear once
+        owner = model.get_submodule(name.rpartition(".")[0])
         if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
             name = "embed_tokens.weight"  # a pipeline's last stage: its copy of the tied embedding
-        full = _full_value(name, param.shape, init_std_for(name, model.cfg), seed)
+        full = _full_value(name, param.shape, init_std_for(name, model.cfg), seed, getattr(owner, "init_value", 1.0))
         copy_full_into(param, full.to(device=param.device, dtype=param.dtype))
     model.reset_buffers()

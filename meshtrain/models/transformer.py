@@ -44,12 +44,17 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScalingCo
         inv_freq = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv_freq = torch.where(medium, blended, inv_freq)
+    elif scaling.type == "linear":
+        inv_freq = inv_freq / scaling.factor
     return inv_freq.float()
 
 
-def rope_tables(cfg: ModelConfig, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, [max_position_embeddings, head_dim], halves duplicated (rotate-half layout)."""
-    inv_freq = rope_inverse_frequencies(cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
+def rope_tables(cfg: ModelConfig, device: torch.device | str | None = None,
+                local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, [max_position_embeddings, head_dim], halves duplicated (rotate-half layout).
+    ``local``: the sliding-window layers' own table (``model.local_rope_theta``, no scaling)."""
+    theta, scaling = (cfg.local_rope_theta, RopeScalingConfig()) if local else (cfg.rope_theta, cfg.rope_scaling)
+    inv_freq = rope_inverse_frequencies(cfg.resolved_head_dim, theta, scaling)
     positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
@@ -71,6 +76,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class RMSNorm(nn.Module):
+    init_value = 1.0
+    """What models/initialize.py fills the weight with."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
@@ -80,30 +88,45 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def sliding_window_mask(mask: torch.Tensor | None, seq: int, window: int, device: torch.device) -> torch.Tensor:
-    """``mask`` (block-causal, or None for causal) without the keys window or more positions back:
-    query i attends key j iff i - window < j <= i (transformers' sliding_window_overlay)."""
-    i = torch.arange(seq, device=device)
-    band = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: scales by (1 + weight), in fp32 (the weight starts at zero, not one)."""
+
+    init_value = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (F.rms_norm(x.float(), (x.shape[-1],), None, self.eps) * (1.0 + self.weight.float())).type_as(x)
+
+
+def sliding_window_mask(mask: torch.Tensor | None, seq: int, window: int, device: torch.device) -> torch.Tensor | None:
+    """``mask`` (block-causal, or None for causal) without the keys ``window`` or more positions back:
+    query i attends key j iff i - window < j <= i (transformers' sliding_window_overlay). Unchanged
+    where the window covers the whole sequence (causal attention keeps its flash kernels)."""
+    queries, keys = documents.query_key_positions(seq, device)
+    if keys.numel() <= window:
+        return mask
+    band = (keys[None, :] <= queries[:, None]) & (keys[None, :] > queries[:, None] - window)
     return band if mask is None else mask & band
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, bias: bool = False, qk_norm: bool = False,
-                 sliding_window: int | None = None):
-        """bias: on q/k/v (Qwen2's); qk_norm: RMSNorm on each head's queries and keys (Qwen3's);
-        sliding_window: local attention over that many tokens (Mistral's)."""
+    def __init__(self, cfg: ModelConfig, *, bias: bool = False, qk_norm: type[RMSNorm] | None = None,
+                 sliding_window: int | None = None, local_rope: bool = False):
+        """bias: on q/k/v (Qwen2's); qk_norm: the norm on each head's queries and keys (Qwen3's,
+        Gemma 3's); sliding_window: local attention over that many tokens (Mistral's); local_rope:
+        the model's local RoPE table (Gemma 3's sliding layers)."""
         super().__init__()
-        self.sliding_window = sliding_window
+        self.sliding_window, self.local_rope = sliding_window, local_rope
+        # Gemma: scores scaled by query_pre_attn_scalar ** -0.5; None: SDPA's head_dim ** -0.5
+        self.scale = cfg.query_pre_attn_scalar ** -0.5 if cfg.query_pre_attn_scalar else None
         self.head_dim = cfg.resolved_head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias=False)
-        self.qk_norm = qk_norm
+        self.qk_norm = qk_norm is not None
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.q_norm = qk_norm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = qk_norm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -120,14 +143,14 @@ class Attention(nn.Module):
         if cos.dim() == 2:
             cos, sin = cos[:seq], sin[:seq]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.sliding_window is not None and seq > self.sliding_window:
-            # A window at least the sequence is causal attention (and keeps the flash kernels).
-            # Context parallelism sees a slice of the sequence here: parallel/layout.py refuses
-            # cp with a window shorter than train.seq_len.
+        if self.sliding_window is not None:
+            # Under cp this rank holds a slice of the queries: the trainer then always attends
+            # through the document-masked route (keys gathered, positions global), see
+            # parallel/context.py.
             mask = sliding_window_mask(mask, seq, self.sliding_window, x.device)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None,
-            enable_gqa=True)
+            scale=self.scale, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def tp_plan(self, tp: TensorParallelStyles) -> dict:
@@ -142,15 +165,17 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None, activation=F.silu):
+        """activation: of the gate (SwiGLU's SiLU; Gemma's GeGLU uses tanh-approximated GeLU)."""
         super().__init__()
+        self.activation = activation
         size = intermediate_size or cfg.intermediate_size
         self.gate_proj = nn.Linear(cfg.hidden_size, size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, size, bias=False)
         self.down_proj = nn.Linear(size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
 
     def tp_plan(self, tp: TensorParallelStyles) -> dict:
         """gate/up column-parallel (each rank a slice of the FFN), down row-parallel; the input becomes
@@ -163,9 +188,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         family = cfg.definition
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = family.norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = family.attention(cfg, index)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = family.norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = family.mlp(cfg, index)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -195,7 +220,31 @@ class DecoderLayer(nn.Module):
             for path, style in getattr(self, name).tp_plan(tp).items():
                 plan[f"{name}.{path}" if path else name] = style
         if tp.sequence_parallel_norms:
-            plan |= {"input_layernorm": tp.sequence_parallel(), "post_attention_layernorm": tp.sequence_parallel()}
+            plan |= {name: tp.sequence_parallel() for name, child in self.named_children() if isinstance(child, RMSNorm)}
+        return plan
+
+
+class SandwichDecoderLayer(DecoderLayer):
+    """Gemma 2/3's layer: each block's output is normalised too before it joins the residual stream
+    (post_attention_layernorm on the attention's output, pre/post_feedforward_layernorm around the MLP)."""
+
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__(cfg, index)
+        self.pre_feedforward_layernorm = cfg.definition.norm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_feedforward_layernorm = cfg.definition.norm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def attention_residual(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           mask: torch.Tensor | None = None) -> torch.Tensor:
+        return x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask))
+
+    def mlp_residual(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+    def tp_plan(self, tp: TensorParallelStyles) -> dict:
+        plan = super().tp_plan(tp)
+        if tp.sequence_parallel_norms:  # their outputs join the residual stream, which is a local tensor
+            plan |= {name: tp.sequence_parallel(use_local_output=True)
+                     for name in ("post_attention_layernorm", "post_feedforward_layernorm")}
         return plan
 
 
@@ -206,28 +255,48 @@ class Transformer(nn.Module):
         self.activation_checkpointing = "none"  # or "full" / "selective" (models/checkpointing.py)
         self.activation_checkpointing_every = 1
         self.reset_position_ids = False  # with document ids: RoPE positions restart per document
+        family = cfg.definition
+        self.embedding_scale = family.embedding_scale(cfg)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)})
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleDict({str(i): family.decoder_layer(cfg, i) for i in range(cfg.num_hidden_layers)})
+        self.norm = family.norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
-        cos, sin = rope_tables(cfg, device="meta" if self.embed_tokens.weight.is_meta else None)
+        meta = "meta" if self.embed_tokens.weight.is_meta else None
         # Not persistent: derived from the config, so checkpoints never carry them.
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        for prefix, local in self.rope_kinds():
+            cos, sin = rope_tables(cfg, device=meta, local=local)
+            self.register_buffer(f"{prefix}_cos", cos, persistent=False)
+            self.register_buffer(f"{prefix}_sin", sin, persistent=False)
+
+    def rope_kinds(self) -> list[tuple[str, bool]]:
+        """The RoPE tables' buffer prefixes: rope (every family), rope_local (local layers with a base
+        of their own, Gemma 3's)."""
+        local = self.cfg.local_rope_theta is not None
+        return [("rope", False)] + ([("rope_local", True)] if local else [])
+
+    def rope_buffers(self) -> list[torch.Tensor]:
+        """Every RoPE table, [positions, head_dim] each: what context parallelism shards by position."""
+        return [getattr(self, f"{prefix}_{part}") for prefix, _ in self.rope_kinds() for part in ("cos", "sin")]
 
     def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids to logits; a pipeline stage without the embedding takes hidden states, and one
         without the output head returns them. ``document_ids`` ([batch, seq], models/documents.py):
         attention stays inside each document of a packed sample."""
-        cos, sin, mask = self.rope_cos, self.rope_sin, None
+        tables, mask = {prefix: (getattr(self, f"{prefix}_cos"), getattr(self, f"{prefix}_sin"))
+                        for prefix, _ in self.rope_kinds()}, None
         if document_ids is not None:
             mask = documents.attention_mask(document_ids)
             positions = documents.token_positions(document_ids, self.reset_position_ids, mask)
             if positions is not None:
-                cos, sin = cos[positions], sin[positions]
-        h = self.embed_tokens(x) if self.embed_tokens is not None else x
+                tables = {prefix: (cos[positions], sin[positions]) for prefix, (cos, sin) in tables.items()}
+        h = x
+        if self.embed_tokens is not None:
+            h = self.embed_tokens(x)
+            if self.embedding_scale is not None:  # Gemma: rounded to the activations' dtype, as transformers does
+                h = h * torch.tensor(self.embedding_scale, dtype=h.dtype).item()
         for index, layer in self.layers.items():
+            cos, sin = tables["rope_local" if layer.self_attn.local_rope else "rope"]
             h = run_layer(layer, int(index), self.activation_checkpointing, self.activation_checkpointing_every,
                           h, cos, sin, mask)
         if self.lm_head is None:
@@ -254,9 +323,10 @@ class Transformer(nn.Module):
         """Recompute the RoPE tables and zero the routers' state (after ``to_empty`` from the meta
         device). ``keep_loaded``: a training checkpoint has just filled the persistent buffers (the
         aux-loss-free routing biases): keep those."""
-        cos, sin = rope_tables(self.cfg, device=self.rope_cos.device)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+        for prefix, local in self.rope_kinds():
+            cos, sin = rope_tables(self.cfg, device=self.rope_cos.device, local=local)
+            getattr(self, f"{prefix}_cos").copy_(cos)
+            getattr(self, f"{prefix}_sin").copy_(sin)
         for module in self.modules():
             if isinstance(module, MoE):
                 module.reset_statistics() if keep_loaded else module.reset_state()

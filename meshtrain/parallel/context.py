@@ -12,9 +12,10 @@ reduce-scatter over dp_shard x cp) gives the mean over the whole sequence.
 
 On CUDA this is stock ``torch.distributed.tensor.experimental.context_parallel``. torch has ring
 kernels only for the CUDA SDPA ops, so on other devices ``_torch_cp`` runs torch's same templated
-ring on the CPU flash kernel. With document masking (models/documents.py) the ring, which takes no
-mask, gives way on every device to ``document_masked``: keys and values all-gathered, the mask
-built for the load-balanced chunks.
+ring on the CPU flash kernel. With document masking (models/documents.py), or a sliding window
+shorter than the sequence, the ring, which takes no mask, gives way on every device to
+``document_masked``: keys and values all-gathered, the mask (documents, window) built from the
+load-balanced chunks' global positions.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ STOCK_CP_DEVICES = ("cuda",)
 
 
 def rope_buffers(parts) -> list[torch.Tensor]:
-    return [t for part in parts for t in (part.rope_cos, part.rope_sin)]
+    return [t for part in parts for t in part.rope_buffers()]
 
 
 @contextlib.contextmanager
@@ -78,8 +79,8 @@ def document_masked(cp: DeviceMesh, batch: list[torch.Tensor]) -> Iterator[None]
     seq_len = batch[0].shape[1]
     (mine,) = load_balanced_shards(cp, [torch.arange(seq_len, device=batch[0].device)], [0])
     every = gather_along(mine, 0, group)  # global positions, in gathered order
-    stock_sdpa, stock_mask, stock_positions = F.scaled_dot_product_attention, documents.attention_mask, \
-        documents.token_positions
+    stock_sdpa, stock_mask, stock_positions, stock_query_keys = F.scaled_dot_product_attention, \
+        documents.attention_mask, documents.token_positions, documents.query_key_positions
 
     def gathered(ids: torch.Tensor) -> torch.Tensor:
         return gather_along(ids, 1, group)
@@ -100,11 +101,14 @@ def document_masked(cp: DeviceMesh, batch: list[torch.Tensor]) -> Iterator[None]
         return stock_sdpa(query, keys, values, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale,
                           enable_gqa=enable_gqa)
 
-    F.scaled_dot_product_attention, documents.attention_mask, documents.token_positions = \
-        sdpa, attention_mask, token_positions
+    def query_key_positions(seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        return mine, every
+
+    F.scaled_dot_product_attention, documents.attention_mask, documents.token_positions, \
+        documents.query_key_positions = sdpa, attention_mask, token_positions, query_key_positions
     try:
         with sharded_in_place(cp, batch, [1] * len(batch)):
             yield
     finally:
-        F.scaled_dot_product_attention, documents.attention_mask, documents.token_positions = \
-            stock_sdpa, stock_mask, stock_positions
+        F.scaled_dot_product_attention, documents.attention_mask, documents.token_positions, \
+            documents.query_key_positions = stock_sdpa, stock_mask, stock_positions, stock_query_keys

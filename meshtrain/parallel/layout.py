@@ -123,11 +123,6 @@ def plan_layout(cfg: JobConfig, world_size: int) -> Layout:
             f"use a seq_len that is a multiple of {2 * p.cp}",
         )
 
-    if p.cp > 1 and m.sliding_window is not None and m.sliding_window < t.seq_len:
-        _fail(f"model.sliding_window={m.sliding_window} < train.seq_len={t.seq_len} with parallel.cp={p.cp} is not "
-              "supported: ring attention gives each rank a slice of the keys and has no local-window mask",
-              f"set parallel.cp=1, or train.seq_len <= {m.sliding_window} (then the window covers every sequence "
-              "and attention is causal)")
     if m.is_moe and p.tp > 1 and (t.seq_len // p.cp) % p.tp:
         _fail(f"train.seq_len={t.seq_len} / cp={p.cp} must be divisible by tp={p.tp} for the MoE family {m.family} "
               "(each tp rank routes its own slice of the sequence through the experts)",
@@ -149,7 +144,8 @@ def plan_layout(cfg: JobConfig, world_size: int) -> Layout:
             "(replicating key/value heads across tp ranks is not supported)",
             f"use tp <= {m.num_key_value_heads} that divides it",
         )
-    if m.intermediate_size % p.tp:
+    dense_mlp = any(not m.is_sparse_layer(i) for i in range(m.num_hidden_layers))  # tp splits dense MLPs only
+    if dense_mlp and m.intermediate_size % p.tp:
         _fail(f"parallel.tp={p.tp} must divide model.intermediate_size={m.intermediate_size}",
               "pick a tp that divides the FFN size")
     if m.vocab_size % p.tp:

@@ -7,7 +7,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from meshtrain.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig
+from meshtrain.config import JobConfig, ParallelConfig, TrainConfig
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.layout import check_expert_layout, describe_sizes, layout_extras, plan_layout
 from meshtrain.planning.memory import Memory, Sizes, estimate
@@ -107,10 +107,7 @@ def validate(s: ModelShape, sizes: Sizes, cfg: PlanConfig, global_batch: int) ->
     if split is None:
         raise ConfigError(f"{s.num_layers} layers cannot fill pp*vpp = {sizes.pp}*{sizes.vpp} stages. Fix: lower --pp or --vpp")
     even = len(set(split)) == 1
-    model = ModelConfig(family="qwen3" if s.qk_norm else "llama", vocab_size=s.vocab_size, hidden_size=s.hidden_size,
-                        intermediate_size=s.intermediate_size or s.hidden_size, num_hidden_layers=s.num_layers,
-                        num_attention_heads=s.num_heads, num_key_value_heads=s.num_kv_heads, head_dim=s.head_dim,
-                        max_position_embeddings=s.max_position_embeddings, tie_word_embeddings=s.tied)
+    model = dataclasses.replace(s.model, init_from_hf=None)  # the architecture is read already
     parallel = ParallelConfig(pp=sizes.pp, vpp=sizes.vpp, tp=sizes.tp, cp=sizes.cp, sp=sizes.sp,
                               pp_layers_per_stage=None if even else list(split), gpus_per_node=cfg.gpus_per_node)
     train = TrainConfig(global_batch_size=global_batch, micro_batch_size=cfg.micro_batch_size, seq_len=cfg.seq_len)

@@ -1,5 +1,10 @@
 """A model as the planner sees it: its shape (from a meshtrain YAML, a Hugging Face config.json or a
-parameter count) and the inventory of tensors the trainer allocates for it, with how tp/ep cut each."""
+parameter count) and the inventory of tensors the trainer allocates for it, with how tp/ep cut each.
+
+The model is always a ModelConfig the trainer can build: a config.json is read by the family's own
+reader (hf/adapter.py), a parameter count becomes a Llama 3 (or, with experts, Mixtral-shaped)
+config. The inventory is that model built on the meta device, each tensor's tp (or etp) dim taken
+from the blocks' own tensor-parallel plans, so a new family is planned with no code here."""
 
 from __future__ import annotations
 
@@ -44,6 +49,8 @@ class ModelShape:
     lora_targets: tuple[str, ...] = ()
     lora_magnitudes: bool = False
     """DoRA: a trained magnitude per output row of each adapted linear, besides A and B."""
+    model: ModelConfig | None = dataclasses.field(default=None, compare=False)
+    """The model these numbers describe, which the inventory builds (set by every constructor below)."""
 
     @property
     def is_moe(self) -> bool:
@@ -94,14 +101,14 @@ def shape_from_count(total: float, active: float | None, num_experts: int, exper
         raise ConfigError(f"--active-params={active:.3g} must be smaller than --params={total:.3g}")
     target = active if moe else total
     key = min(LLAMA3_SHAPES, key=lambda k: abs(math.log(target / parse_count(k, "params"))))
-    base = ModelShape(name=f"{total / 1e9:.4g}B (Llama 3 {key} shape)", **LLAMA3_SHAPES[key])
+    base = _with_model(ModelShape(name=f"{total / 1e9:.4g}B (Llama 3 {key} shape)", **LLAMA3_SHAPES[key]))
     embed = base.vocab_size * base.hidden_size * (1 if base.tied else 2) + base.hidden_size
     if not moe:
         per_layer = _attention_params(base) + 3 * base.hidden_size * base.intermediate_size
         if abs(embed + base.num_layers * per_layer - total) <= 0.05 * total:
             return base  # a nominal size ("70b") means the model itself, not 79.4 of its layers
         layers = max(1, round((total - embed) / per_layer))
-        return dataclasses.replace(base, num_layers=layers)
+        return _with_model(dataclasses.replace(base, num_layers=layers))
     # Solve layers L and expert size i: total - active = L (E - k) 3 h i;  active = embed + L (attn + k 3 h i + h E).
     experts_per_layer_params = (total - active) / (num_experts - experts_per_token)  # L * 3 h i
     rest = active - embed - experts_per_token * experts_per_layer_params  # L * (attn + router)
@@ -112,8 +119,22 @@ def shape_from_count(total: float, active: float | None, num_experts: int, exper
                           "than the active count). Fix: check the counts")
     layers = max(1, round(rest / per_layer_rest))
     expert_i = max(1, round(experts_per_layer_params / (layers * 3 * base.hidden_size)))
-    return dataclasses.replace(base, num_layers=layers, intermediate_size=0, num_experts=num_experts,
-                               experts_per_token=experts_per_token, expert_intermediate_size=expert_i, tied=False)
+    return _with_model(dataclasses.replace(base, num_layers=layers, intermediate_size=0, num_experts=num_experts,
+                                           experts_per_token=experts_per_token, expert_intermediate_size=expert_i,
+                                           tied=False))
+
+
+def _with_model(s: ModelShape) -> ModelShape:
+    """A fitted shape with the model it stands for: Llama 3 blocks, or with experts Mixtral's (Llama
+    attention, an MoE MLP in every layer)."""
+    moe = dict(family="mixtral", num_experts=s.num_experts, num_experts_per_tok=s.experts_per_token,
+               moe_intermediate_size=s.expert_intermediate_size) if s.is_moe else dict(family="llama")
+    model = ModelConfig(vocab_size=s.vocab_size, hidden_size=s.hidden_size,
+                        intermediate_size=s.intermediate_size or s.expert_intermediate_size,
+                        num_hidden_layers=s.num_layers, num_attention_heads=s.num_heads,
+                        num_key_value_heads=s.num_kv_heads, head_dim=s.head_dim,
+                        max_position_embeddings=s.max_position_embeddings, tie_word_embeddings=s.tied, **moe)
+    return dataclasses.replace(s, model=model)
 
 
 def shape_from_model_config(m: ModelConfig, name: str) -> ModelShape:
@@ -126,39 +147,21 @@ def shape_from_model_config(m: ModelConfig, name: str) -> ModelShape:
     return ModelShape(name=name, vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_layers=m.num_hidden_layers,
                       num_heads=m.num_attention_heads, num_kv_heads=m.num_key_value_heads, head_dim=m.resolved_head_dim,
                       intermediate_size=m.intermediate_size, tied=m.tie_word_embeddings, qk_norm=m.definition.qk_norm,
-                      max_position_embeddings=m.max_position_embeddings, **moe)
+                      max_position_embeddings=m.max_position_embeddings, model=m, **moe)
 
 
 def shape_from_hf_config(hf: dict, where: str) -> ModelShape:
-    """Llama, Qwen3, Qwen3-MoE and Mixtral config.json (and others with the same field names)."""
-    def get(key: str, default=None):
-        if key in hf:
-            return hf[key]
-        if default is None:
-            raise ConfigError(f"{where}: config.json has no {key!r}, which the planner needs. Fix: a causal LM config.json")
-        return default
+    """A config.json, read as the trainer reads it (its family's reader): an architecture meshtrain
+    cannot train is refused, naming the ones it can."""
+    from meshtrain.errors import CheckpointError
+    from meshtrain.hf.adapter import model_config_from_hf
 
-    model_type = hf.get("model_type", "")
-    layers = get("num_hidden_layers")
-    heads = get("num_attention_heads")
-    experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
-    dense: tuple[int, ...] = ()
-    if experts:
-        step = hf.get("decoder_sparse_step", 1) or 1
-        only = set(hf.get("mlp_only_layers") or [])
-        dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
-    expert_i = hf.get("moe_intermediate_size") or (get("intermediate_size") if experts else 0)
-    return ModelShape(
-        name=f"{where} ({model_type or 'unknown type'})", vocab_size=get("vocab_size"),
-        hidden_size=get("hidden_size"), num_layers=layers, num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or get("hidden_size") // heads,
-        intermediate_size=(get("intermediate_size") if (not experts or dense) else 0),
-        tied=bool(hf.get("tie_word_embeddings", False)), qk_norm=model_type.startswith("qwen3"),
-        num_experts=experts, experts_per_token=hf.get("num_experts_per_tok", 0) if experts else 0,
-        expert_intermediate_size=expert_i if experts else 0,
-        shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0) or 0,
-        dense_layers=dense, max_position_embeddings=hf.get("max_position_embeddings", 131072))
+    try:
+        model, _ = model_config_from_hf(hf, where)
+    except CheckpointError as e:
+        raise ConfigError(f"{e}. Fix: plan it by size instead (--params, and --active-params and --num-experts "
+                          "for a mixture of experts)") from None
+    return shape_from_model_config(model, f"{where} ({model.family})")
 
 
 def resolve_shape(cfg: PlanConfig) -> tuple[ModelShape, JobConfig | None]:
@@ -244,40 +247,62 @@ def _with_lora(tensors: list[ParamTensor], rank: int, patterns: tuple[str, ...],
     return out
 
 
+_INVENTORIES: dict[str, list[ParamTensor]] = {}
+
+
 def _base_tensors(s: ModelShape) -> list[ParamTensor]:
-    h, q, kv = s.hidden_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    out = [ParamTensor("embed_tokens.weight", (s.vocab_size, h), tp_dim=0)]
-    for i in range(s.num_layers):
-        p = f"layers.{i}."
-        out += [ParamTensor(p + "input_layernorm.weight", (h,), layer=i),
-                ParamTensor(p + "self_attn.q_proj.weight", (q, h), 0, layer=i, linear=True),
-                ParamTensor(p + "self_attn.k_proj.weight", (kv, h), 0, layer=i, linear=True),
-                ParamTensor(p + "self_attn.v_proj.weight", (kv, h), 0, layer=i, linear=True),
-                ParamTensor(p + "self_attn.o_proj.weight", (h, q), 1, layer=i, linear=True),
-                ParamTensor(p + "post_attention_layernorm.weight", (h,), layer=i)]
-        if s.qk_norm:
-            out += [ParamTensor(p + "self_attn.q_norm.weight", (s.head_dim,), layer=i),
-                    ParamTensor(p + "self_attn.k_norm.weight", (s.head_dim,), layer=i)]
-        if s.is_sparse(i):
-            e, ei = s.num_experts, s.expert_intermediate_size
-            out += [ParamTensor(p + "mlp.gate.weight", (e, h), layer=i),
-                    ParamTensor(p + "mlp.experts.gate_proj", (e, ei, h), 1, True, i, True),
-                    ParamTensor(p + "mlp.experts.up_proj", (e, ei, h), 1, True, i, True),
-                    ParamTensor(p + "mlp.experts.down_proj", (e, h, ei), 2, True, i, True)]
-            if s.shared_expert_intermediate_size:
-                si = s.shared_expert_intermediate_size
-                # MoE blocks are not split by tp (each tp rank routes its own tokens): no tp_dim
-                out += [ParamTensor(p + f"mlp.shared_expert.{n}.weight", shp, layer=i, linear=True) for n, shp in
-                        (("gate_proj", (si, h)), ("up_proj", (si, h)), ("down_proj", (h, si)))]
-        else:
-            ii = s.intermediate_size
-            out += [ParamTensor(p + "mlp.gate_proj.weight", (ii, h), 0, layer=i, linear=True),
-                    ParamTensor(p + "mlp.up_proj.weight", (ii, h), 0, layer=i, linear=True),
-                    ParamTensor(p + "mlp.down_proj.weight", (h, ii), 1, layer=i, linear=True)]
-    out.append(ParamTensor("norm.weight", (h,)))
-    if not s.tied:
-        out.append(ParamTensor("lm_head.weight", (s.vocab_size, h), tp_dim=0, linear=True))
+    """The model's parameters, from the model built on the meta device (cached: the search asks for
+    the same model's inventory for every candidate layout)."""
+    key = json.dumps(dataclasses.asdict(s.model), sort_keys=True)
+    if key not in _INVENTORIES:
+        _INVENTORIES[key] = _model_tensors(s.model)
+    return _INVENTORIES[key]
+
+
+def _model_tensors(model: ModelConfig) -> list[ParamTensor]:
+    import torch
+    from torch import nn
+
+    from meshtrain.models.transformer import Transformer
+
+    with torch.device("meta"):
+        built = Transformer(model)
+    dims = tensor_parallel_dims(built)
+    out = []
+    for name, p in built.named_parameters():  # a tied head is the embedding: listed once
+        owner, _, leaf = name.rpartition(".")
+        expert = ".experts." in name
+        linear = expert or (leaf == "weight" and isinstance(built.get_submodule(owner), nn.Linear))
+        layer = int(name.split(".")[1]) if name.startswith("layers.") else None
+        out.append(ParamTensor(name, tuple(p.shape), dims.get(name), expert, layer, linear))
     return out
+
+
+def tensor_parallel_dims(model) -> dict[str, int]:
+    """The dim tp shards each parameter on, read from the plans parallel/tensor.py applies: a
+    column-parallel linear's weight and bias on 0, a row-parallel one's weight on 1, the vocab-
+    parallel embedding and head on their rows; stacked experts on the dim etp splits."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    from meshtrain.parallel.expert import ETP_DIMS
+    from meshtrain.parallel.styles import TensorParallelStyles
+
+    styles = TensorParallelStyles(ColwiseParallel, RowwiseParallel, PrepareModuleInput, SequenceParallel,
+                                  Replicate(), sequence_parallel_norms=False)
+    dims = {"embed_tokens.weight": 0, "lm_head.weight": 0}
+    for index, layer in model.layers.items():
+        for path, style in layer.tp_plan(styles).items():
+            prefix = f"layers.{index}.{path}"
+            if isinstance(style, ColwiseParallel):
+                dims |= {f"{prefix}.weight": 0, f"{prefix}.bias": 0}
+            elif isinstance(style, RowwiseParallel):
+                dims[f"{prefix}.weight"] = 1
+    for name, _ in model.named_parameters():
+        if ".experts." in name:
+            dims[name] = ETP_DIMS[name.rsplit(".", 1)[-1]]
+    return dims
 
 
 def total_parameters(s: ModelShape) -> int:

@@ -2,7 +2,7 @@
 
 FLOPs per token follow the PaLM appendix B accounting used by Megatron and torchtitan:
 6 * (non-embedding parameters) for the matmuls of forward + backward, plus 12 * layers * heads *
-head_dim * seq_len for attention scores and values. MFU divides the achieved FLOP/s per device by
+head_dim * seq_len for attention scores and values (a sliding-window layer: its window, when shorter). MFU divides the achieved FLOP/s per device by
 the device's peak, given by ``logging.peak_tflops`` or looked up from the CUDA device name.
 """
 
@@ -29,7 +29,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, num_params: int) -> float:
     dense = num_params - embedding  # the lm_head matmul counts, the embedding lookup does not
     if cfg.tie_word_embeddings:
         dense = num_params
-    attention = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.resolved_head_dim * seq_len
+    # Each query meets seq_len keys (PaLM's count, causal or not), or its window's on a local layer.
+    spans = sum(min(seq_len, cfg.definition.sliding_window(cfg, i) or seq_len) for i in range(cfg.num_hidden_layers))
+    attention = 12 * cfg.num_attention_heads * cfg.resolved_head_dim * spans
     return 6 * dense + attention
 
 

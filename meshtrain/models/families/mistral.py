@@ -10,6 +10,7 @@ class Mistral(Family):
     architecture = "MistralForCausalLM"
     model_type = "mistral"
     windowed = True
+    settings = frozenset({"sliding_window"})
     unsupported = {"hidden_act": "silu"}
 
     def config_from_hf(self, hf, where):

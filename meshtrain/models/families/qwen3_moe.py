@@ -16,6 +16,8 @@ class Qwen3Moe(Qwen3):
                 and (layer + 1) % cfg.decoder_sparse_step == 0)
 
     def check(self, cfg):
+        if problems := super().check(cfg):
+            return problems
         if cfg.num_experts < 2:
             return [(f"model.family={self.name} needs model.num_experts >= 2, got {cfg.num_experts}",
                      "set model.num_experts")]
