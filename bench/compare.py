@@ -7,9 +7,11 @@ Throughput: the same model (meshtrain's config translated to a transformers Llam
 adapter), the same global batch and micro-batch, dtype and AdamW settings, trained by
   - transformers: ``AutoModelForCausalLM`` in eager PyTorch (sdpa attention), one process;
   - meshtrain on one rank, and dp2 (FSDP2), tp2, pp2 (1F1B) at the same global batch.
-Every job runs in its own process, one after the other in this one invocation, and the whole cycle
-repeats ``--repeats`` times (interleaved, so a noisy neighbour hurts all of them alike); the table
-takes each job's median step time over every timed step of every repeat. On CPU each job gets the
+The meshtrain jobs of one world size run one after the other in one launch (one process group,
+each job's own groups released after it, as tests/batch.py does: the launch and imports are paid
+once per world size), and the whole cycle repeats ``--repeats`` times (interleaved, so a noisy
+neighbour hurts all of them alike); the table takes each job's median step time over every timed
+step of every repeat. On CPU each job gets the
 same cores: ``OMP_NUM_THREADS`` = cores / ranks. MFU needs a peak (looked up on CUDA, else
 ``--peak-tflops``).
 
@@ -89,51 +91,68 @@ def job_config(args: argparse.Namespace, parallel: dict, moe: bool, train: dict 
     })
 
 
-# ---------------------------------------------------------------- workers (one job per process)
+# ---------------------------------------------------------------- workers (one launch per world size)
 
 def meshtrain_worker(args: argparse.Namespace) -> None:
+    """Every layout of ``--layout`` (comma-separated, one world size) in turn on one process group."""
+    import gc
+
+    from meshtrain.parallel.runtime import exit_process, init_distributed, release_groups, shutdown
+
+    runtime = init_distributed(900)
+    try:
+        for name, result in zip(args.layout.split(","), args.result.split(",")):
+            measure_layout(args, name, pathlib.Path(result), runtime)
+            torch_distributed().barrier()
+            release_groups()
+            gc.collect()
+    except BaseException:
+        shutdown()
+        raise
+    shutdown(synchronize=True)
+    exit_process(0)
+
+
+def torch_distributed():
     import torch.distributed as dist
 
+    return dist
+
+
+def measure_layout(args: argparse.Namespace, name: str, result: pathlib.Path, runtime) -> None:
     from meshtrain.telemetry.allocation import measure_training_state, mesh_coordinates
     from meshtrain.telemetry.comm_counter import CollectiveCounter
-    from meshtrain.parallel.runtime import exit_process, init_distributed, shutdown
     from meshtrain.parallel.layout import plan_layout
     from meshtrain.parallel.mesh import build_mesh
     from meshtrain.planning.memory import trainer_rank_state
     from meshtrain.commands.train import resolve
     from meshtrain.trainer import Trainer
 
-    ranks, parallel, moe = LAYOUTS[args.layout]
-    cfg = resolve(job_config(args, parallel, moe, TRAIN_OPTIONS.get(args.layout)))
+    ranks, parallel, moe = LAYOUTS[name]
+    own = argparse.Namespace(**{**vars(args), "run_dir": str(pathlib.Path(args.run_dir) / result.stem)})
+    cfg = resolve(job_config(own, parallel, moe, TRAIN_OPTIONS.get(name)))
     layout = plan_layout(cfg, ranks)
-    runtime = init_distributed(cfg.parallel.timeout_s)
-    try:
-        trainer = Trainer(cfg, runtime, build_mesh(layout, runtime.device.type))
-        for _ in range(args.warmup):
-            trainer.train_step()
-        times = [trainer.train_step()["step_time_s"] for _ in range(args.steps)]
-        # dynamo does not trace under the counter's dispatch mode: a compiled job's step goes uncounted
-        uncounted = contextlib.nullcontext(types.SimpleNamespace(counts={}, bytes={}))
-        with uncounted if cfg.train.compile else CollectiveCounter() as comm:
-            trainer.train_step()
-        coords = mesh_coordinates(trainer.mesh)
-        mine = {"calls": dict(comm.counts), "bytes": dict(comm.bytes), "coords": coords,
-                "activation_bytes": activation_bytes(trainer) if ranks == 1 and not cfg.train.compile else None,
-                "state": measure_training_state(trainer), "plan": trainer_rank_state(cfg, layout, **coords)}
-        every = [mine]
-        if runtime.world_size > 1:
-            every = [None] * runtime.world_size
-            dist.all_gather_object(every, mine)
-        if runtime.is_main:
-            pathlib.Path(args.result).write_text(json.dumps({
-                "layout": trainer.mesh.describe(cfg.parallel), "step_times_s": times, "ranks": every,
-                "flops_per_token": trainer.flops_per_token, "peak_tflops": trainer.peak_tflops,
-                "num_params": trainer.num_params, "device": str(runtime.device)}))
-    except BaseException:
-        shutdown()
-        raise
-    shutdown(synchronize=True)
-    exit_process(0)
+    trainer = Trainer(cfg, runtime, build_mesh(layout, runtime.device.type))
+    for _ in range(args.warmup):
+        trainer.train_step()
+    times = [trainer.train_step()["step_time_s"] for _ in range(args.steps)]
+    # dynamo does not trace under the counter's dispatch mode: a compiled job's step goes uncounted
+    uncounted = contextlib.nullcontext(types.SimpleNamespace(counts={}, bytes={}))
+    with uncounted if cfg.train.compile else CollectiveCounter() as comm:
+        trainer.train_step()
+    coords = mesh_coordinates(trainer.mesh)
+    mine = {"calls": dict(comm.counts), "bytes": dict(comm.bytes), "coords": coords,
+            "activation_bytes": activation_bytes(trainer) if ranks == 1 and not cfg.train.compile else None,
+            "state": measure_training_state(trainer), "plan": trainer_rank_state(cfg, layout, **coords)}
+    every = [mine]
+    if runtime.world_size > 1:
+        every = [None] * runtime.world_size
+        torch_distributed().all_gather_object(every, mine)
+    if runtime.is_main:
+        result.write_text(json.dumps({
+            "layout": trainer.mesh.describe(cfg.parallel), "step_times_s": times, "ranks": every,
+            "flops_per_token": trainer.flops_per_token, "peak_tflops": trainer.peak_tflops,
+            "num_params": trainer.num_params, "device": str(runtime.device)}))
 
 
 def activation_bytes(trainer) -> int:
@@ -270,21 +289,22 @@ def analytic_minimum(name: str, args: argparse.Namespace) -> list[tuple[str, tup
 
 # ---------------------------------------------------------------- driver
 
-def run_job(args: argparse.Namespace, kind: str, name: str, out: pathlib.Path, repeat: int) -> dict:
-    ranks = LAYOUTS[name][0] if kind == "meshtrain" else 1
-    result = out / f"{kind}-{name.replace(' ', '_').replace('+', '_')}-{repeat}.json"
+def run_jobs(args: argparse.Namespace, kind: str, names: list[str], out: pathlib.Path, repeat: int) -> list[dict]:
+    """Jobs of one world size in one launch (meshtrain), or transformers' one job in its own process."""
+    ranks = LAYOUTS[names[0]][0] if kind == "meshtrain" else 1
+    results = [out / f"{kind}-{name.replace(' ', '_').replace('+', '_')}-{repeat}.json" for name in names]
     cores = os.cpu_count() or 1
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(max(1, cores // ranks))}
-    run_dir = out / "runs" / result.stem  # its own: a run dir with checkpoints would be resumed
-    worker = [str(pathlib.Path(__file__).resolve()), "--worker", kind, "--layout", name, "--result", str(result),
-              f"--run-dir={run_dir}", *args.passthrough]
+    run_dir = out / "runs"  # each job's own below it: a run dir with checkpoints would be resumed
+    worker = [str(pathlib.Path(__file__).resolve()), "--worker", kind, "--layout", ",".join(names),
+              "--result", ",".join(map(str, results)), f"--run-dir={run_dir}", *args.passthrough]
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *worker]
            if kind == "meshtrain" else [sys.executable, *worker])
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout * len(names))
     if proc.returncode != 0:
         print(proc.stdout[-3000:], proc.stderr[-5000:], sep="\n", file=sys.stderr)
-        raise SystemExit(f"{kind} {name} failed with exit code {proc.returncode}")
-    return json.loads(result.read_text())
+        raise SystemExit(f"{kind} {', '.join(names)} failed with exit code {proc.returncode}")
+    return [json.loads(result.read_text()) for result in results]
 
 
 def throughput_table(args, jobs: dict) -> tuple[list[str], dict]:
@@ -394,11 +414,15 @@ def driver(args: argparse.Namespace) -> None:
                                              if n not in args.skip]
     jobs: dict = {key: [] for key in wanted}
     for repeat in range(args.repeats):
-        for kind, name in wanted:
-            if repeat and name not in THROUGHPUT:
-                continue  # the communication of a step does not change between repeats
-            jobs[(kind, name)].append(run_job(args, kind, name, out, repeat))
-            print(f"  {kind} {name} (repeat {repeat + 1}/{args.repeats}) done", flush=True)
+        # the communication of a step does not change between repeats
+        now = [(kind, name) for kind, name in wanted if not repeat or name in THROUGHPUT]
+        launches = {(kind, LAYOUTS[name][0]): [] for kind, name in now}
+        for kind, name in now:
+            launches[(kind, LAYOUTS[name][0])].append(name)
+        for (kind, ranks), names in launches.items():
+            for name, result in zip(names, run_jobs(args, kind, names, out, repeat)):
+                jobs[(kind, name)].append(result)
+            print(f"  {kind} on {ranks} rank(s): {', '.join(names)} (repeat {repeat + 1}/{args.repeats}) done", flush=True)
     speed_rows, speed = throughput_table(args, jobs)
     comm_rows, comm = communication_table(args, jobs)
     memory_rows, memory = memory_table(jobs)

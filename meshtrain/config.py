@@ -68,6 +68,10 @@ class ModelConfig:
     1e6); those layers use no rope_scaling."""
     query_pre_attn_scalar: int | None = None
     """Attention scores scaled by query_pre_attn_scalar ** -0.5 rather than head_dim ** -0.5 (Gemma)."""
+    attn_logit_softcapping: float | None = None
+    """Attention scores soft-capped, cap * tanh(score / cap), before the mask (Gemma 2: 50)."""
+    final_logit_softcapping: float | None = None
+    """The output logits soft-capped the same way (Gemma 2: 30)."""
     init_std: float = 0.02
     """Std of the normal init; output projections use init_std / sqrt(2 * num_hidden_layers)."""
     init_from_hf: str | None = None

@@ -116,7 +116,7 @@ class Trainer:
                    f"{cfg.model.vocab_size} tokens)")
         dataset, self.data_description = training_dataset(cfg.data, t.seq_len, t.seed, cfg.model.vocab_size, fix)
         self.document_eos, masking = self._document_masking()
-        self.windowed_cp = self.mesh.size("cp") > 1 and cfg.model.definition.has_local_attention(cfg.model, t.seq_len)
+        self.masked_cp = self.mesh.size("cp") > 1 and cfg.model.definition.needs_masked_attention(cfg.model, t.seq_len)
         self.data_description += f"; {masking}"
         self.eval_data = None
         if cfg.eval.interval and cfg.eval.data:
@@ -281,7 +281,7 @@ class Trainer:
             ids = document_ids(inputs, self.document_eos) if self.document_eos is not None else None
         if ids is not None and not bool(ids[:, -1].any()):  # one document per sample: plain causal attention
             ids = None  # (every rank of a cp or pp group holds the same batch here, so they agree)
-        if ids is None and self.windowed_cp:  # a window shorter than the sequence takes cp's masked route
+        if ids is None and self.masked_cp:  # a window shorter than the sequence, soft-capping: cp's masked route
             ids = torch.zeros_like(inputs, dtype=torch.int32)
         batch = [inputs, labels] if ids is None else [inputs, labels, ids]
         with sequence_sharded(self.mesh, batch, self.parts, self.cfg.parallel.cp_rotate_method,

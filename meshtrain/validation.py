@@ -47,6 +47,8 @@ RULES: list[Rule] = [
     _optional(_positive("model.sliding_window")),
     _optional(_above_zero("model.local_rope_theta", "use e.g. 10000")),
     _optional(_positive("model.query_pre_attn_scalar")),
+    _optional(_above_zero("model.attn_logit_softcapping", "use e.g. 50")),
+    _optional(_above_zero("model.final_logit_softcapping", "use e.g. 30")),
     _above_zero("model.rms_norm_eps", "use e.g. 1e-5"),
     _above_zero("model.rope_theta", "use e.g. 10000 or 500000"),
     _positive("model.max_position_embeddings"),

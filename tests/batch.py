@@ -21,6 +21,7 @@ import pathlib
 import re
 import subprocess
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Callable
@@ -92,6 +93,9 @@ class Batches:
         self._launcher: subprocess.Popen | None = None
         self._stopped = False
         self._thread: threading.Thread | None = None
+        self._t0 = time.monotonic()
+        self.timeline: list[str] = []
+        """What the batches did when, for the session's summary (where the suite's time goes)."""
 
     def start(self) -> None:
         """Prepare every job here, then launch the batches of every world size in a background thread.
@@ -123,8 +127,22 @@ class Batches:
                     return
                 self._launch(nproc)
 
+    def job_costs(self) -> list[tuple[str, float, float]]:
+        """(job, CPU seconds over its ranks, wall seconds) of every job that ran (tests/batch_worker.py)."""
+        costs = []
+        for done in self.root.glob("**/done"):
+            record = json.loads(done.read_text() or "{}")
+            if "cpu_seconds" in record:
+                costs.append((str(done.parent.relative_to(self.root)), record["cpu_seconds"], record["seconds"]))
+        return costs
+
+    def _note(self, event: str) -> None:
+        self.timeline.append(f"+{time.monotonic() - self._t0:.0f}s {event}")
+
     def result(self, job: Job) -> pathlib.Path:
         """The job's directory, once it has run (with every pending job of its world size)."""
+        if not any("first job read" in line for line in self.timeline):
+            self._note(f"first job read ({job.name})")
         for dependency in job.after:
             self.result(dependency)
         with self._launching:  # a launch in progress may be running it
@@ -192,6 +210,7 @@ class Batches:
         while specs:
             spec_file = self.root / f"batch-{re.sub(r'[^A-Za-z0-9]+', '_', specs[0]['name'])}.json"
             spec_file.write_text(json.dumps(specs, indent=1))
+            self._note(f"launch of {len(specs)} job(s) on {batch[0].nproc} ranks")
             try:
                 proc = torchrun(batch[0].nproc, ["tests/batch_worker.py", str(spec_file)],
                                 timeout=60 + SECONDS_PER_JOB * len(specs), niceness=BACKGROUND_NICENESS,
@@ -204,6 +223,7 @@ class Batches:
                 failure = f"{type(e).__name__}: {e}"
             finally:
                 self._launcher = None
+            self._note(f"  ended ({batch[0].nproc} ranks{', a job failed' if failure else ''})")
             if self._stopped:
                 return
             unfinished = [s for s in specs if not (pathlib.Path(s["dir"]) / "done").exists()]

@@ -17,6 +17,7 @@ import json
 import os
 import pathlib
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,7 @@ def main() -> None:
     runtime = init_distributed(300)
     try:
         for spec in specs:
+            started, cpu = time.monotonic(), time.process_time()
             worker = importlib.import_module(f"tests.workers.{spec['kind']}")
             worker.run(spec["args"], pathlib.Path(spec["dir"]), runtime)
             dist.barrier()
@@ -42,8 +44,11 @@ def main() -> None:
             gc.freeze()
             threads = torch.tensor(thread_count())
             dist.all_reduce(threads, op=dist.ReduceOp.MAX)
+            cpu_seconds = torch.tensor(time.process_time() - cpu, dtype=torch.float64)
+            dist.all_reduce(cpu_seconds)  # every rank's: what the job costs the machine
             if runtime.is_main:
-                done = {"pid": os.getpid(), "threads": int(threads)}
+                done = {"pid": os.getpid(), "threads": int(threads), "seconds": round(time.monotonic() - started, 2),
+                        "cpu_seconds": round(float(cpu_seconds), 2)}
                 (pathlib.Path(spec["dir"]) / "done").write_text(json.dumps(done))
     except BaseException:
         shutdown()

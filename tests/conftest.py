@@ -144,6 +144,25 @@ def batches(request, tmp_path_factory):
     from tests.batch import Batches
 
     runner = Batches(request.config.stash.get(_SELECTED_JOBS, {}), tmp_path_factory.mktemp("jobs"))
+    request.config.stash[_BATCHES] = runner
     runner.start()
     yield runner
     runner.stop()
+
+
+_BATCHES = pytest.StashKey["Batches"]()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """When the background batches launched and ended, beside the foreground (docs/tests.md)."""
+    runner = config.stash.get(_BATCHES, None)
+    if runner is not None and runner.timeline:
+        terminalreporter.write_sep("-", "batches (from the session's start)")
+        for line in runner.timeline:
+            terminalreporter.write_line(line)
+        costs = runner.job_costs()
+        if costs:
+            total = sum(cpu for _, cpu, _ in costs)
+            terminalreporter.write_line(f"{len(costs)} jobs, {total:.0f} CPU-s over their ranks; the costliest:")
+            for name, cpu, seconds in sorted(costs, key=lambda c: -c[1])[:8]:
+                terminalreporter.write_line(f"  {cpu:6.1f} CPU-s  {seconds:5.1f} s  {name}")

@@ -41,6 +41,9 @@ QWEN3 = ("--model.family", "qwen3")
 GEMMA3 = ("--model.family", "gemma3", "--model.tie-word-embeddings", "True", "--model.sliding-window", "8",
           "--model.local-rope-theta", "10000", "--model.head-dim", "8", "--model.query-pre-attn-scalar", "12",
           "--model.layer-types", "sliding_attention", "full_attention")
+GEMMA2 = ("--model.family", "gemma2", "--model.tie-word-embeddings", "True", "--model.sliding-window", "8",
+          "--model.head-dim", "8", "--model.query-pre-attn-scalar", "12", "--model.attn-logit-softcapping", "2.0",
+          "--model.final-logit-softcapping", "3.0")
 GEMMA3_PP = PP_MODEL + ("--model.layer-types", "sliding_attention", "full_attention", "sliding_attention",
                         "full_attention")
 FAMILY_LAYOUTS = {  # family: (model options over TINY, {layout: (ranks, parallel options, more model options)})
@@ -77,6 +80,15 @@ FAMILY_LAYOUTS = {  # family: (model options over TINY, {layout: (ranks, paralle
         "pp2": (2, ("--parallel.pp", "2"), GEMMA3_PP),
         "cp2": (2, ("--parallel.cp", "2"), ()),
         "pp2-dp2-tp2-sp": (8, ("--parallel.pp", "2", "--parallel.tp", "2", "--parallel.sp", "True"), GEMMA3_PP),
+    }),
+    # soft-capped scores (computed without SDPA: under cp with every rank's keys) and logits (under tp
+    # on the vocab shards), alternating local and global layers
+    "gemma2": (GEMMA2, {
+        "dp2": (2, ("--parallel.dp-shard", "2"), ()),
+        "tp2-sp": (2, ("--parallel.tp", "2", "--parallel.sp", "True"), ()),
+        "pp2": (2, ("--parallel.pp", "2"), PP_MODEL),
+        "cp2": (2, ("--parallel.cp", "2"), ()),
+        "pp2-dp2-tp2-sp": (8, ("--parallel.pp", "2", "--parallel.tp", "2", "--parallel.sp", "True"), PP_MODEL),
     }),
 }
 """Families other than Llama (tests/test_parallel.py's full matrix) and the MoE families

@@ -40,12 +40,14 @@ def model(family: str, **fields) -> Transformer:
 
 WINDOWED = {"mistral": dict(sliding_window=5),
             "gemma3": dict(sliding_window=5, layer_types=["sliding_attention", "full_attention"], local_rope_theta=1e4,
-                           tie_word_embeddings=True, query_pre_attn_scalar=10)}
+                           tie_word_embeddings=True, query_pre_attn_scalar=10),
+            "gemma2": dict(sliding_window=5, tie_word_embeddings=True, query_pre_attn_scalar=10,
+                           attn_logit_softcapping=2.0, final_logit_softcapping=3.0)}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral", "gemma3", "gemma2"])
 def test_a_packed_sample_equals_its_documents_run_one_by_one(family):
-    # mistral, gemma3: a window of 5 inside documents of 5 to 12 tokens, so both masks cut
+    # mistral, gemma2/3: a window of 5 inside documents of 5 to 12 tokens, so both masks cut
     m = model(family, **WINDOWED.get(family, {}))
     g = torch.Generator().manual_seed(0)
     docs = [torch.randint(0, EOS, (n,), generator=g).tolist() + [EOS] for n in (6, 11, 4)]

@@ -18,7 +18,8 @@ from tests.hf_models import assert_same_tensors, hf_model, hf_shapes_of, importe
 CASES = {"llama": ("llama", {}), "qwen3": ("qwen3", {}), "llama-tied": ("llama", {"tie_word_embeddings": True}),
          "qwen3-mha": ("qwen3", {"num_key_value_heads": 4}),
          "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}), "mistral": ("mistral", {}),
-         "mistral-no-window": ("mistral", {"sliding_window": None}), "gemma3": ("gemma3", {})}
+         "mistral-no-window": ("mistral", {"sliding_window": None}), "gemma3": ("gemma3", {}),
+         "gemma2": ("gemma2", {})}
 
 
 

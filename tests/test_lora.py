@@ -385,3 +385,39 @@ def test_a_lora_checkpoint_of_an_hf_base_resumed_without_it_names_the_base():
     with pytest.raises(CheckpointError, match=r"holds LoRA adapters trained on model.init_from_hf=/models/llama, and "
                                               r"this run has no model.init_from_hf. Fix: set model.init_from_hf"):
         check_architecture(meta, ModelConfig(), "ckpt")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_new_family_adapters_load_in_peft_and_merge_into_a_transformers_model(tmp_path, family):
+    """LoRA on the default targets of a Qwen2 (q/k/v biases beside the adapters) and a Gemma 3 (tied,
+    four norms a layer) imported from transformers: the PEFT adapter on the HF model and the merged
+    export loaded by transformers give meshtrain's adapted logits."""
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    from meshtrain.hf.io import export_dtypes, save_hf
+    from meshtrain.hf.peft import save_peft_adapter
+    from meshtrain.models.lora import merge_lora
+    from tests.hf_models import hf_dir, meshtrain_from
+
+    hf, directory = hf_dir(tmp_path, family)
+    ours = meshtrain_from(directory)
+    lora = PeftConfig(method="lora", rank=4, alpha=8)
+    assert len(add_lora(ours, lora)) == 7 * ours.cfg.num_hidden_layers
+    init_lora(ours, 0)
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if name.endswith("lora_B"):
+                p.normal_(0, 0.2)  # trained adapters
+    tokens = torch.randint(0, ours.cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        adapted, plain = ours(tokens), hf(tokens).logits
+    adapter = save_peft_adapter([ours], str(tmp_path / "adapter"), lora, ours.cfg, str(directory), torch.float32)
+    merge_lora(ours)
+    out = save_hf([ours], str(tmp_path / "merged"), export_dtypes(ours.cfg, "auto"), max_shard_bytes=10**9)
+    with torch.no_grad():
+        from_peft = peft.PeftModel.from_pretrained(hf, str(adapter))(tokens).logits
+        from_merged = transformers.AutoModelForCausalLM.from_pretrained(str(out))(tokens).logits
+    torch.testing.assert_close(from_peft, adapted, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(from_merged, adapted, rtol=1e-4, atol=1e-5)
+    assert (adapted - plain).abs().max() > 1e-2

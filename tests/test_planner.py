@@ -97,13 +97,13 @@ def test_mixtral_and_qwen3_moe_from_hf_configs(tmp_path):
         assert p.sizes.ep > 1 and shape.num_experts % p.sizes.ep == 0
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "gemma2", "gemma3"])
 def test_dense_family_configs_plan_the_tensors_transformers_builds(family, tmp_path):
     """The inventory is the model itself: Qwen2's q/k/v biases and Mistral's head_dim counted (and a tied
     head once), with the biases split by tp like their weights."""
     from tests.hf_models import hf_config
 
-    hf = hf_config(family, tie_word_embeddings=family == "qwen2")
+    hf = hf_config(family, tie_word_embeddings=family != "mistral")
     with torch.device("meta"):
         want = sum(p.numel() for p in transformers_model(hf).parameters())
     hf.save_pretrained(tmp_path)

@@ -8,8 +8,8 @@ sample computes what its documents would compute one by one. Megatron's names: r
 reset_position_ids. The mask goes to SDPA as a boolean ``attn_mask`` (the math kernel on CPU, the
 memory-efficient one on CUDA).
 
-The model asks ``attention_mask``, ``token_positions`` and ``query_key_positions`` (module
-attributes, looked up at each call) for what a batch's ids mean; context parallelism
+The model asks ``attention_mask``, ``token_positions``, ``query_key_positions`` and ``every_key``
+(module attributes, looked up at each call) for what a batch's ids mean; context parallelism
 (parallel/context.py) replaces them while a batch is sharded over the sequence, where a rank's
 queries meet every rank's keys.
 """
@@ -55,6 +55,12 @@ def query_key_positions(seq: int, device: torch.device) -> tuple[torch.Tensor, t
     load-balanced share and the keys are every rank's (parallel/context.py replaces this)."""
     positions = torch.arange(seq, device=device)
     return positions, positions
+
+
+def every_key(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values a query may meet ([batch, heads, seq, head_dim]), for attention computed
+    without SDPA (soft-capped scores): these; under context parallelism every rank's."""
+    return key, value
 
 
 def token_positions(ids: torch.Tensor, reset: bool, mask: torch.Tensor | None) -> torch.Tensor | None:

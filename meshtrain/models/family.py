@@ -102,9 +102,11 @@ class Family:
         """The window of layer ``layer``'s attention, or None for full causal attention."""
         return cfg.sliding_window if self.windowed else None
 
-    def has_local_attention(self, cfg: ModelConfig, seq_len: int) -> bool:
-        """Whether some layer's window is shorter than ``seq_len`` (else attention is causal throughout)."""
-        return any((self.sliding_window(cfg, i) or seq_len) < seq_len for i in range(cfg.num_hidden_layers))
+    def needs_masked_attention(self, cfg: ModelConfig, seq_len: int) -> bool:
+        """Whether attention is more than causal SDPA at ``seq_len``: some layer's window is shorter, or
+        scores are soft-capped (context parallelism then takes its masked route, parallel/context.py)."""
+        windowed = any((self.sliding_window(cfg, i) or seq_len) < seq_len for i in range(cfg.num_hidden_layers))
+        return windowed or cfg.attn_logit_softcapping is not None
 
     def mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
         from meshtrain.models.moe import MoE
@@ -186,7 +188,8 @@ class Family:
 
 
 LM_HEAD = "lm_head.weight"
-OPTIONAL_SETTINGS = frozenset({"sliding_window", "layer_types", "local_rope_theta", "query_pre_attn_scalar"})
+OPTIONAL_SETTINGS = frozenset({"sliding_window", "layer_types", "local_rope_theta", "query_pre_attn_scalar",
+                               "attn_logit_softcapping", "final_logit_softcapping"})
 """ModelConfig fields only some families have."""
 
 

@@ -108,6 +108,23 @@ def sliding_window_mask(mask: torch.Tensor | None, seq: int, window: int, device
     return band if mask is None else mask & band
 
 
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                         scale: float, cap: float) -> torch.Tensor:
+    """Attention with scores soft-capped before the mask, cap * tanh(score / cap) (Gemma 2), which no
+    SDPA kernel does: the [heads, seq, seq] scores are materialised, softmax in fp32 as transformers'
+    eager attention. q [batch, heads, seq, head_dim], k/v [batch, kv_heads, ...]; under context
+    parallelism the keys are every rank's (documents.every_key)."""
+    k, v = documents.every_key(k, v)
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.tanh(q @ k.transpose(-2, -1) * scale / cap) * cap
+    if mask is None:
+        queries, keys = documents.query_key_positions(q.shape[2], q.device)
+        mask = keys[None, :] <= queries[:, None]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, *, bias: bool = False, qk_norm: type[RMSNorm] | None = None,
                  sliding_window: int | None = None, local_rope: bool = False):
@@ -118,6 +135,7 @@ class Attention(nn.Module):
         self.sliding_window, self.local_rope = sliding_window, local_rope
         # Gemma: scores scaled by query_pre_attn_scalar ** -0.5; None: SDPA's head_dim ** -0.5
         self.scale = cfg.query_pre_attn_scalar ** -0.5 if cfg.query_pre_attn_scalar else None
+        self.softcap = cfg.attn_logit_softcapping
         self.head_dim = cfg.resolved_head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * self.head_dim, bias=bias)
@@ -148,9 +166,13 @@ class Attention(nn.Module):
             # through the document-masked route (keys gathered, positions global), see
             # parallel/context.py.
             mask = sliding_window_mask(mask, seq, self.sliding_window, x.device)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None,
-            scale=self.scale, enable_gqa=True)
+        if self.softcap is not None:
+            out = softcapped_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
+                                       self.scale or self.head_dim ** -0.5, self.softcap)
+        else:
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None,
+                scale=self.scale, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def tp_plan(self, tp: TensorParallelStyles) -> dict:
@@ -301,7 +323,9 @@ class Transformer(nn.Module):
                           h, cos, sin, mask)
         if self.lm_head is None:
             return h
-        return self.lm_head(self.norm(h))
+        logits = self.lm_head(self.norm(h))
+        cap = self.cfg.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def keep_only(self, layer_ids: range, *, embedding: bool, head: bool) -> None:
         """Drop everything a pipeline stage does not own. Kept layers keep their global index, so

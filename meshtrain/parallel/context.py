@@ -79,8 +79,8 @@ def document_masked(cp: DeviceMesh, batch: list[torch.Tensor]) -> Iterator[None]
     seq_len = batch[0].shape[1]
     (mine,) = load_balanced_shards(cp, [torch.arange(seq_len, device=batch[0].device)], [0])
     every = gather_along(mine, 0, group)  # global positions, in gathered order
-    stock_sdpa, stock_mask, stock_positions, stock_query_keys = F.scaled_dot_product_attention, \
-        documents.attention_mask, documents.token_positions, documents.query_key_positions
+    stock = (F.scaled_dot_product_attention, documents.attention_mask, documents.token_positions,
+             documents.query_key_positions, documents.every_key)
 
     def gathered(ids: torch.Tensor) -> torch.Tensor:
         return gather_along(ids, 1, group)
@@ -96,19 +96,24 @@ def document_masked(cp: DeviceMesh, batch: list[torch.Tensor]) -> Iterator[None]
         whole[:, every] = gathered(ids)
         return documents.positions_in_document(whole)[:, mine]
 
+    def every_key(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return gather_along(key, 2, group), gather_along(value, 2, group)
+
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        keys, values = gather_along(key, 2, group), gather_along(value, 2, group)
-        return stock_sdpa(query, keys, values, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale,
-                          enable_gqa=enable_gqa)
+        keys, values = every_key(key, value)
+        return stock[0](query, keys, values, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale,
+                        enable_gqa=enable_gqa)
 
     def query_key_positions(seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         return mine, every
 
-    F.scaled_dot_product_attention, documents.attention_mask, documents.token_positions, \
-        documents.query_key_positions = sdpa, attention_mask, token_positions, query_key_positions
+    def install(hooks) -> None:
+        (F.scaled_dot_product_attention, documents.attention_mask, documents.token_positions,
+         documents.query_key_positions, documents.every_key) = hooks
+
+    install((sdpa, attention_mask, token_positions, query_key_positions, every_key))
     try:
         with sharded_in_place(cp, batch, [1] * len(batch)):
             yield
     finally:
-        F.scaled_dot_product_attention, documents.attention_mask, documents.token_positions, \
-            documents.query_key_positions = stock_sdpa, stock_mask, stock_positions, stock_query_keys
+        install(stock)

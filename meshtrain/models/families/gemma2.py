@@ -1,0 +1,80 @@
+"""Gemma 2 (``Gemma2ForCausalLM``): (1+w) RMSNorm in fp32, four norms per layer (each block's output
+normalised before the residual add), GeGLU with tanh-approximated GeLU, embeddings scaled by
+sqrt(hidden), scores scaled by ``query_pre_attn_scalar`` ** -0.5 and soft-capped (tanh, 50), the
+logits soft-capped (30), and ``layer_types`` alternating sliding-window (4096) and global layers.
+Embeddings are always tied. Gemma 3 (gemma3.py) builds on it."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from meshtrain.models.family import Family, required
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+class Gemma2(Family):
+    name = "gemma2"
+    architecture = "Gemma2ForCausalLM"
+    model_type = "gemma2"
+    offset_norm = True
+    pattern = 2
+    """Without layer_types: every pattern-th layer global, the rest local (sliding_window_pattern)."""
+    settings = frozenset({"sliding_window", "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping",
+                          "final_logit_softcapping"})
+    unsupported = {"hidden_activation": "gelu_pytorch_tanh", "attention_bias": False}
+
+    def layer_types(self, cfg) -> list[str]:
+        return cfg.layer_types or [FULL if (i + 1) % self.pattern == 0 else SLIDING
+                                   for i in range(cfg.num_hidden_layers)]
+
+    def sliding_window(self, cfg, layer):
+        return cfg.sliding_window if self.layer_types(cfg)[layer] == SLIDING else None
+
+    def decoder_layer(self, cfg, layer):
+        from meshtrain.models.transformer import SandwichDecoderLayer
+        return SandwichDecoderLayer(cfg, layer)
+
+    def embedding_scale(self, cfg):
+        return math.sqrt(cfg.hidden_size)
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x, approximate="tanh")  # transformers' gelu_pytorch_tanh
+
+    def check(self, cfg):
+        if problems := super().check(cfg):
+            return problems
+        kinds = cfg.layer_types
+        if kinds and (len(kinds) != cfg.num_hidden_layers or set(kinds) - {SLIDING, FULL}):
+            return [(f"model.layer_types={kinds} must name {SLIDING!r} or {FULL!r} for each of the "
+                     f"{cfg.num_hidden_layers} layers", f"list one per layer, or drop it for {self.name}'s pattern")]
+        if cfg.sliding_window is None and SLIDING in self.layer_types(cfg):
+            return [(f"model.sliding_window is unset, and {self.name}'s sliding_attention layers need a window",
+                     "set model.sliding_window")]
+        if not cfg.tie_word_embeddings:
+            return [("model.tie_word_embeddings=false: Gemma's output head is its embedding",
+                     "set model.tie_word_embeddings=true")]
+        return []
+
+    def layer_types_from_hf(self, hf, where) -> list[str]:
+        return list(hf.get("layer_types") or [FULL if (i + 1) % hf.get("sliding_window_pattern", self.pattern) == 0
+                                              else SLIDING for i in range(required(hf, "num_hidden_layers", where))])
+
+    def config_from_hf(self, hf, where):
+        return dict(layer_types=self.layer_types_from_hf(hf, where), sliding_window=required(hf, "sliding_window", where),
+                    query_pre_attn_scalar=int(required(hf, "query_pre_attn_scalar", where)),
+                    attn_logit_softcapping=hf.get("attn_logit_softcapping"),
+                    final_logit_softcapping=hf.get("final_logit_softcapping"),
+                    tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)))
+
+    def config_to_hf(self, cfg):
+        return dict(self.unsupported) | {
+            "layer_types": self.layer_types(cfg), "sliding_window": cfg.sliding_window,
+            "query_pre_attn_scalar": cfg.query_pre_attn_scalar, "attn_logit_softcapping": cfg.attn_logit_softcapping,
+            "final_logit_softcapping": cfg.final_logit_softcapping}
+
+
+FAMILY = Gemma2()
