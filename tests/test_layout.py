@@ -112,6 +112,24 @@ def test_moe_fields_are_checked(model, message):
     assert message in str(info.value) and "Fix:" in str(info.value)
 
 
+GEMMA = {"family": "gemma3", "tie_word_embeddings": True, "sliding_window": 8}
+
+
+@pytest.mark.parametrize("model,message", [
+    ({"sliding_window": 8}, "model.sliding_window=8 on the family 'llama', which has no such setting"),
+    ({"family": "mistral", "attn_logit_softcapping": 50.0}, "families with it: gemma2"),
+    ({"family": "gemma3", "sliding_window": 8}, "model.tie_word_embeddings=false: Gemma's output head is its embedding"),
+    ({"family": "gemma3", "tie_word_embeddings": True}, "model.sliding_window is unset"),
+    (GEMMA | {"layer_types": ["full_attention"]}, "for each of the 2 layers"),
+    (GEMMA | {"layer_types": ["local", "full_attention"]}, "must name 'sliding_attention' or 'full_attention'"),
+])
+def test_a_family_refuses_the_settings_it_does_not_have(model, message):
+    """Never silently dropped: a setting another family has, or a Gemma missing what its layers need."""
+    with pytest.raises(ConfigError) as info:
+        plan(1, {}, model)
+    assert message in str(info.value) and "Fix:" in str(info.value)
+
+
 def test_token_dropping_needs_whole_sequences_per_rank():
     assert plan(4, {"ep": 2, "pp": 2}, MOE | {"capacity_factor": 1.25}).ep == 2
     for parallel in ({"tp": 2}, {"cp": 2}):

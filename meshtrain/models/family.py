@@ -125,6 +125,9 @@ class Family:
                 having = ", ".join(f.name for f in families.every() if name in f.settings)
                 return [(f"model.{name}={getattr(cfg, name)!r} on the family {self.name!r}, which has no such setting",
                          f"drop model.{name} (families with it: {having})")]
+        if self.is_moe and cfg.num_experts < 2:
+            return [(f"model.family={self.name} needs model.num_experts >= 2, got {cfg.num_experts}",
+                     "set model.num_experts")]
         if cfg.num_experts and not self.is_moe:
             moe = " or ".join(f.name for f in families.every() if f.is_moe)
             return [(f"model.num_experts={cfg.num_experts} on the dense family {self.name!r}",

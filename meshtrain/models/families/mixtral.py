@@ -15,14 +15,6 @@ class Mixtral(Family):
     def is_sparse_layer(self, cfg, layer):
         return cfg.num_experts > 0
 
-    def check(self, cfg):
-        if problems := super().check(cfg):
-            return problems
-        if cfg.num_experts < 2:
-            return [(f"model.family={self.name} needs model.num_experts >= 2, got {cfg.num_experts}",
-                     "set model.num_experts")]
-        return []
-
     def config_from_hf(self, hf, where):
         return dict(num_experts=required(hf, "num_local_experts", where),
                     num_experts_per_tok=required(hf, "num_experts_per_tok", where),

@@ -15,14 +15,6 @@ class Qwen3Moe(Qwen3):
         return (cfg.num_experts > 0 and layer not in cfg.mlp_only_layers
                 and (layer + 1) % cfg.decoder_sparse_step == 0)
 
-    def check(self, cfg):
-        if problems := super().check(cfg):
-            return problems
-        if cfg.num_experts < 2:
-            return [(f"model.family={self.name} needs model.num_experts >= 2, got {cfg.num_experts}",
-                     "set model.num_experts")]
-        return []
-
     def config_from_hf(self, hf, where):
         # transformers 5 writes num_local_experts; Qwen's own configs say num_experts
         experts = hf.get("num_experts") or required(hf, "num_local_experts", where)
