@@ -15,7 +15,7 @@ from meshtrain.hf.adapter import hf_config_from_model, hf_shapes, model_config_f
 from meshtrain.models.moe import MoE
 from tests.batch import Job, jobs
 from tests.hf_models import hf_dir, meshtrain_from, read_tensors
-from tests.parity import (COMPILED_RTOL, LOSS_RTOL, MOE_ARGS, TINY_NO_MODEL, assert_compiled_once,
+from tests.parity import (COMPILED_RTOL, LOSS_RTOL, MOE_ARGS, TINY, TINY_NO_MODEL, assert_compiled_once,
                           assert_matches_reference, checkpoint_of_step3, losses, reference, run_layout, train_job)
 
 
@@ -267,6 +267,27 @@ def test_moe_layout_equals_single_rank(batches, name):
     assert_matches_reference(got, reference(MOE_ARGS + extra), COMPILED_RTOL if "compiled" in name else LOSS_RTOL)
     if "compiled" in name:
         assert_compiled_once(got)
+
+
+EMPTY_ONE_RANK = Job("moe/empty-one-rank", 1, "train_forced_routing", (*TINY, *MOE_ARGS))
+EMPTY_LAYOUTS = {  # name: (ranks, options): every token routed to experts 0 and 1, held by ep rank 0
+    "ep2": (2, ["--parallel.ep", "2"]),
+    # ep rank 1's etp group receives no token copy: the gather and the reduce-scatter over etp are empty
+    "ep2-etp2": (4, ["--parallel.ep", "2", "--parallel.etp", "2"]),
+    "tp2-ep2": (2, ["--parallel.tp", "2", "--parallel.sp", "True", "--parallel.ep", "2"]),
+}
+EMPTY_JOBS = {name: Job(f"moe/empty-{name}", nproc, "train_forced_routing", (*TINY, *MOE_ARGS, *layout),
+                  after=(EMPTY_ONE_RANK,)) for name, (nproc, layout) in EMPTY_LAYOUTS.items()}
+
+
+@pytest.mark.slow
+@jobs("name", EMPTY_JOBS)
+def test_experts_that_receive_no_token_work_in_every_expert_layout(batches, name):
+    """Routing forced onto the first ep rank's experts (tests/workers/train_forced_routing.py): the
+    other ep rank's experts get empty groups every step, and the run equals one rank's under the
+    same routing (this reshaped 0 elements into [etp, 0, -1] under ep2 x etp2 before)."""
+    reference_run = run_layout(batches, EMPTY_ONE_RANK)
+    assert_matches_reference(run_layout(batches, EMPTY_JOBS[name]), reference_run)
 
 
 def convert(*args, nproc: int = 1):

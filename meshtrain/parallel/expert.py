@@ -63,7 +63,7 @@ def _scatter_over_etp(y: torch.Tensor, state, group: dist.ProcessGroup, etp: int
     order, mine, theirs = state
     restored = torch.empty_like(y).index_copy(0, order, y)
     partial = all_to_all_single_autograd(restored, [mine] * etp, theirs, group)
-    return partial.view(etp, mine, -1).sum(0)
+    return partial.view(etp, mine, y.shape[-1]).sum(0)  # mine may be 0: no token routed to this group
 
 
 class ExpertParallel(ParallelStyle):
