@@ -40,6 +40,33 @@ def test_chat_rendering_and_tokens_equal_transformers_apply_chat_template(tmp_pa
         assert runs == [m["content"] + "<|im_end|>\n" for m in conversation if m["role"] == "assistant"]
 
 
+# transformers' assistant-mask convention; the generation prompt opens an empty think block that the
+# rendered answers lack (as Qwen3's does), so prefixes of a conversation do not render consistently
+GENERATION_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}{% generation %}"
+    "{{ m['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}{% else %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' }}{% endif %}")
+
+
+def test_generation_blocks_mark_the_targets_as_transformers_assistant_mask(tmp_path):
+    """A template with {% generation %} blocks compiles, and its blocks are the targets: equal to
+    transformers' assistant_masks (return_assistant_tokens_mask), where the prefix rendering would fail."""
+    transformers = pytest.importorskip("transformers")
+    tok_dir = chat_tokenizer(tmp_path / "tok")
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": GENERATION_TEMPLATE}))
+    write_chats(tmp_path / "chats.jsonl", n=2)
+    cfg = DataConfig(format="chat", tokenizer=str(tok_dir))
+    got = list(examples(cfg, str(tmp_path / "chats.jsonl"), build_tokenizer(cfg)))
+    hf = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
+    written = [json.loads(line)["messages"] for line in (tmp_path / "chats.jsonl").read_text().splitlines()]
+    for (ids, targets), conversation in zip(got, written):
+        want = hf.apply_chat_template(conversation, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        assert ids == list(want["input_ids"]) and [int(t) for t in targets] == list(want["assistant_masks"])
+        assert any(targets)
+
+
 def test_byte_offsets_name_the_character_of_each_byte():
     cfg = DataConfig(format="prompt_response")
     tokenizer = build_tokenizer(cfg)

@@ -4,9 +4,10 @@ and packed whole.
 ``data.format=chat``: records with ``messages`` ([{role, content}, ...]) are rendered by the model's
 chat template (tokenizer_config.json's ``chat_template``) through jinja2 exactly as transformers'
 ``apply_chat_template`` renders it (the same sandbox, filters and globals). The assistant's part
-of the text is found by rendering each conversation prefix with and without the assistant turn: the
-span between the prompt (``add_generation_prompt=True``) and the prefix with the answer is what the
-model learns to produce, its end-of-turn tokens included. ``data.format=prompt_response``: the
+of the text is what the template's ``{% generation %}`` blocks hold, where it has them
+(transformers' assistant-mask convention); else it is found by rendering each conversation prefix
+with and without the assistant turn: the span between the prompt (``add_generation_prompt=True``)
+and the prefix with the answer is what the model learns to produce, its end-of-turn tokens included. ``data.format=prompt_response``: the
 text is prompt + response + EOS, the response and EOS the targets.
 
 Tokens are targets where their first character lies in an assistant span (the tokenizer's
@@ -79,7 +80,33 @@ def compile_template(template: str):
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    class GenerationSpans(jinja2.ext.Extension):
+        """transformers' ``{% generation %}...{% endgeneration %}`` blocks (its AssistantTracker): the
+        template marks what the assistant generates; while ``recording`` holds (the blocks rendered so
+        far, the spans), each block's character span in the output is recorded."""
+
+        tags = {"generation"}
+
+        def __init__(self, environment):
+            super().__init__(environment)
+            self.recording: tuple[list[str], list[tuple[int, int]]] | None = None
+            environment.extend(generation_spans=self)
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_generation"), [], [], body).set_lineno(lineno)
+
+        def _generation(self, caller) -> str:
+            text = caller()
+            if self.recording is not None:
+                blocks, spans = self.recording
+                start = sum(len(block) for block in blocks)
+                spans.append((start, start + len(text)))
+            return text
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols, GenerationSpans])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
@@ -87,9 +114,20 @@ def compile_template(template: str):
 
 
 def render_chat(template, messages: list[dict], special: dict[str, str]) -> tuple[str, list[tuple[int, int]]]:
-    """The conversation's text and the character spans of its assistant turns."""
-    text = template.render(messages=messages, add_generation_prompt=False, **special)
-    spans = []
+    """The conversation's text and the character spans of its assistant turns: the template's own
+    ``{% generation %}`` blocks where it has them (rendered as transformers renders them for
+    ``return_assistant_tokens_mask``), else found by rendering each prefix of the conversation."""
+    blocks, spans = [], []
+    tracker = template.environment.generation_spans
+    tracker.recording = (blocks, spans)
+    try:
+        for block in template.generate(messages=messages, add_generation_prompt=False, **special):
+            blocks.append(block)
+    finally:
+        tracker.recording = None
+    text = "".join(blocks)
+    if spans:
+        return text, spans
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
