@@ -34,9 +34,9 @@ def parse(cls: type, argv: list[str], prog: str):
 
 
 def train_main(argv: list[str]) -> None:
+    cfg = parse(JobConfig, argv, "meshtrain train")  # before torch is imported: --help and option errors are instant
     from meshtrain.commands import train
 
-    cfg = parse(JobConfig, argv, "meshtrain train")
     if cfg.train.dry_run:
         train.dry_run(cfg)
     else:
@@ -117,6 +117,7 @@ def entry() -> NoReturn:
         if e.code is not None and not isinstance(e.code, int):
             raise  # a message for Python to print
         code = e.code or 0
-    from meshtrain.parallel.runtime import exit_process  # torch is loaded by then whenever it matters
-
-    exit_process(code)
+    runtime = sys.modules.get("meshtrain.parallel.runtime")  # loaded whenever a process group was used
+    if runtime is None:
+        sys.exit(code)  # an option error or --help: torch was never imported
+    runtime.exit_process(code)

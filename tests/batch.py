@@ -11,12 +11,16 @@ run that wrote the checkpoint); ``{jobs}`` in its args is the directory holding 
 
 The batches start in a background thread as the session starts (``Batches.start``), niced, and
 conftest runs the tests that read no job first: those are mostly one process on one core, so the
-batches' ranks get the machine's other cores instead of waiting for their turn.
+batches' ranks get the machine's other cores instead of waiting for their turn. Jobs of the kind
+``command`` (a benchmark at toy sizes: a process tree of its own, not a rank of a batch) run niced
+one after another in a second background thread beside the batches, so the three kinds of work
+fill both cores until the end.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import re
 import subprocess
@@ -28,10 +32,14 @@ from typing import Callable
 
 import pytest
 
-from tests.conftest import stop_group, torchrun
+from tests.conftest import ROOT, stop_group, torchrun
 
+COMMAND = "command"
+"""A job that is a process of its own: its args (and what its prepare returns) are the command line,
+run from the repository root; the test reads ``command_result(batches.result(job))``."""
 KINDS = tuple(sorted(p.stem for p in (pathlib.Path(__file__).parent / "workers").glob("*.py") if p.stem != "__init__"))
-"""What a job does on every rank: tests/workers/<kind>.py, one file a kind."""
+"""What a job does on every rank: tests/workers/<kind>.py, one file a kind (or COMMAND)."""
+SECONDS_PER_COMMAND = 900
 
 SECONDS_PER_JOB = 120
 BACKGROUND_NICENESS = 10
@@ -54,8 +62,14 @@ class Job:
     the same launch."""
 
     def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"job {self.name}: kind {self.kind!r} is not one of {KINDS}")
+        if self.kind not in (*KINDS, COMMAND):
+            raise ValueError(f"job {self.name}: kind {self.kind!r} is not one of {KINDS} or {COMMAND!r}")
+
+
+def command_result(directory: pathlib.Path) -> subprocess.CompletedProcess:
+    """A command job's exit status and output."""
+    record = json.loads((directory / "command.json").read_text())
+    return subprocess.CompletedProcess(record["args"], record["returncode"], record["stdout"], record["stderr"])
 
 
 def jobs(argname: str, table: dict[str, Job]):
@@ -93,6 +107,11 @@ class Batches:
         self._launcher: subprocess.Popen | None = None
         self._stopped = False
         self._thread: threading.Thread | None = None
+        self._commands: list[Job] = [job for job in jobs.values() if job.kind == COMMAND]
+        self._commanding = threading.Lock()
+        """Held for each command job, by the second background thread or by a test that needs it now."""
+        self._command: subprocess.Popen | None = None
+        self._command_thread: threading.Thread | None = None
         self._t0 = time.monotonic()
         self.timeline: list[str] = []
         """What the batches did when, for the session's summary (where the suite's time goes)."""
@@ -107,18 +126,23 @@ class Batches:
             except Exception:  # fails the job's test, not the session
                 self.errors[job.name] = f"its prepare failed:\n{traceback.format_exc()}"
                 self.pending.pop(job.name)
+        for job in self._commands:
+            self.pending.pop(job.name, None)
         sizes = list(dict.fromkeys(job.nproc for job in self.pending.values()))
         self._thread = threading.Thread(target=self._launch_all, args=(sizes,), name="batches", daemon=True)
         self._thread.start()
+        self._command_thread = threading.Thread(target=self._run_commands, name="commands", daemon=True)
+        self._command_thread.start()
 
     def stop(self) -> None:
         """End the session's batches: the launch in progress is killed with its ranks."""
         self._stopped = True  # before reading the launcher: _started reads them the other way round
-        launcher = self._launcher
-        if launcher is not None:
-            stop_group(launcher)
-        if self._thread is not None:
-            self._thread.join(timeout=60)
+        for process in (self._launcher, self._command):
+            if process is not None:
+                stop_group(process)
+        for thread in (self._thread, self._command_thread):
+            if thread is not None:
+                thread.join(timeout=60)
 
     def _launch_all(self, sizes: list[int]) -> None:
         for nproc in sizes:
@@ -139,10 +163,58 @@ class Batches:
     def _note(self, event: str) -> None:
         self.timeline.append(f"+{time.monotonic() - self._t0:.0f}s {event}")
 
+    def _run_commands(self) -> None:
+        for job in self._commands:
+            with self._commanding:
+                if self._stopped:
+                    return
+                if not self._done(job) and job.name not in self.errors:
+                    self._run_command(job)
+
+    def _commands_left(self) -> list[Job]:
+        """The command jobs the commands' thread has yet to run (none once it has ended)."""
+        alive = self._command_thread is not None and self._command_thread.is_alive()
+        return [j for j in self._commands if alive and not self._done(j) and j.name not in self.errors]
+
+    def _run_command(self, job: Job) -> None:
+        directory = self.root / job.name
+        args = [*job.args, *self._prepare(job)]
+        self._note(f"command {job.name}")
+        started = time.monotonic()
+        try:
+            with subprocess.Popen(["nice", "-n", str(BACKGROUND_NICENESS), *args], cwd=ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                  env={**os.environ, "PYTHONPATH": str(ROOT)}) as process:
+                self._command = process
+                try:
+                    stdout, stderr = process.communicate(timeout=SECONDS_PER_COMMAND)
+                except BaseException:
+                    stop_group(process)
+                    raise
+        except Exception as e:  # a hung command: subprocess.TimeoutExpired
+            self.errors[job.name] = f"{type(e).__name__}: {e}"
+            return
+        finally:
+            self._command = None
+        (directory / "command.json").write_text(json.dumps(
+            {"args": args, "returncode": process.returncode, "stdout": stdout, "stderr": stderr}))
+        (directory / "done").write_text(json.dumps({"seconds": round(time.monotonic() - started, 2)}))
+        self._note(f"  ended ({job.name}, {time.monotonic() - started:.0f} s)")
+
     def result(self, job: Job) -> pathlib.Path:
         """The job's directory, once it has run (with every pending job of its world size)."""
         if not any("first job read" in line for line in self.timeline):
             self._note(f"first job read ({job.name})")
+        if job.kind == COMMAND:
+            while not self._done(job) and job.name not in self.errors:
+                with self._commanding:  # the commands' thread may be running it (or another one)
+                    if not self._done(job) and job.name not in self.errors and (
+                            self._stopped or job not in self._commands_left()):
+                        self._run_command(job)  # not queued (a single test run): run it here
+                time.sleep(0.2)
+            if job.name in self.errors:
+                pytest.fail(f"command job {job.name} failed: {self.errors[job.name]}", pytrace=False)
+            return self.root / job.name
         for dependency in job.after:
             self.result(dependency)
         with self._launching:  # a launch in progress may be running it

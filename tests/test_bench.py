@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from tests.batch import COMMAND, Job, command_result
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
@@ -51,11 +52,19 @@ def test_cp_memory_bench_shows_per_rank_activations(tmp_path):
     assert all(r["saved_bytes"] > 0 for cp in ("1", "2") for r in results[cp]["ranks"])
 
 
-def test_compare_bench_sets_every_layout_beside_its_minimum(tmp_path):
-    cmd = [sys.executable, str(ROOT / "bench" / "compare.py"), "--hidden", "64", "--layers", "2", "--seq-len", "64",
-           "--global-batch", "8", "--micro-batch", "2", "--steps", "1", "--warmup", "1", "--repeats", "1",
-           "--skip", "1 rank compiled", "--out", str(tmp_path)]  # compiling is the parity tests' (tests/test_parallel.py)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+# The three longest benchmarks run as command jobs (tests/batch.py): in the background from the session's
+# start, beside the batches and the foreground tests; each test reads its command's output.
+COMPARE = Job("bench/compare", 0, COMMAND, (
+    sys.executable, str(ROOT / "bench" / "compare.py"), "--hidden", "64", "--layers", "2", "--seq-len", "64",
+    "--global-batch", "8", "--micro-batch", "2", "--steps", "1", "--warmup", "1", "--repeats", "1",
+    "--skip", "1 rank compiled"),  # compiling is the parity tests' (tests/test_parallel.py)
+    prepare=lambda directory: ("--out", str(directory / "out")))
+
+
+@pytest.mark.job(COMPARE)
+def test_compare_bench_sets_every_layout_beside_its_minimum(batches):
+    tmp_path = batches.result(COMPARE) / "out"
+    proc = command_result(tmp_path.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "compare.json").read_text())
     speed = result["throughput"]
@@ -122,15 +131,30 @@ def gpu_check_offline(python: pathlib.Path, wheels: pathlib.Path, site: pathlib.
                           timeout=600, env=env)
 
 
-def test_gpu_check_runs_its_plumbing_at_toy_sizes_on_cpu(tmp_path):
+def offline_gpu_check(directory: pathlib.Path) -> tuple[str, ...]:
+    """The command line of bench/gpu_check.sh --tiny as the lent machine runs it (gpu_check_offline), on an
+    image-like Python made in ``directory``."""
+    python = image_like_python(directory)
+    script = (f"ip link set lo up && exec bash {ROOT / 'bench' / 'gpu_check.sh'} --tiny --variants "
+              f"'meshtrain eager,meshtrain compile+float8' --out {directory / 'out'}")
+    return ("env", "-u", "PYTHONPATH", "OMP_NUM_THREADS=1", f"GPU_CHECK_PYTHON={python}",
+            f"GPU_CHECK_WHEELS={ROOT / '.whl'}", f"GPU_CHECK_SITE={directory / 'site'}", "unshare", "--net", "sh", "-c",
+            script)
+
+
+GPU_CHECK = Job("bench/gpu_check", 0, COMMAND, prepare=offline_gpu_check)
+
+
+@pytest.mark.job(GPU_CHECK)
+def test_gpu_check_runs_its_plumbing_at_toy_sizes_on_cpu(batches):
     """The GPU check's own run needs a GPU; here bench/gpu_check.sh runs --tiny offline on an image-like
     Python, installing what it lacks from the wheels bench/gpu_wheels.sh made (launch/setup_env.sh),
     and every piece but the compile row runs on CPU: transformers' eager loop, meshtrain's jobs, a
     refusal reported, the first-step losses, document masking and the SDPA operators."""
-    python = image_like_python(tmp_path)
+    tmp_path = batches.result(GPU_CHECK)
+    python = tmp_path / "image" / "bin" / "python"
     assert subprocess.run([str(python), "-c", "import tyro"], capture_output=True).returncode != 0
-    proc = gpu_check_offline(python, ROOT / ".whl", tmp_path / "site", "--tiny", "--variants",
-                             "meshtrain eager,meshtrain compile+float8", "--out", str(tmp_path / "out"))
+    proc = command_result(tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "installing tyro docstring_parser typeguard torchdata torchao from" in proc.stdout
     result = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
@@ -156,10 +180,15 @@ def test_gpu_check_without_its_wheels_says_what_to_do(tmp_path):
         f"run 'bash bench/gpu_wheels.sh' where the network is and carry {empty} with the tree"]
 
 
-def test_data_scale_bench_measures_memory_loader_and_prepare(tmp_path):
-    cmd = [sys.executable, str(ROOT / "bench" / "data_scale.py"), "--sizes-gb", "0.002", "0.004", "--ranks", "2",
-           "--steps", "2", "--prepare-mb", "0.5", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+DATA_SCALE = Job("bench/data_scale", 0, COMMAND, (
+    sys.executable, str(ROOT / "bench" / "data_scale.py"), "--sizes-gb", "0.002", "0.004", "--ranks", "2",
+    "--steps", "2", "--prepare-mb", "0.5"), prepare=lambda directory: ("--out", str(directory / "out")))
+
+
+@pytest.mark.job(DATA_SCALE)
+def test_data_scale_bench_measures_memory_loader_and_prepare(batches):
+    tmp_path = batches.result(DATA_SCALE) / "out"
+    proc = command_result(tmp_path.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "data_scale.json").read_text())
     for size in ("0.002", "0.004"):
