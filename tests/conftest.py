@@ -14,7 +14,12 @@ import threading
 import time
 from typing import Callable
 
-import pytest
+# One intra-op thread for the tests run in this process, before torch is imported: the background
+# batches keep the other core busy, and an op split over two threads then waits for a second thread
+# that is not scheduled (an in-process test took 93 s in the suite that takes 1.6 s alone).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
 
 from meshtrain.config import JobConfig
 from meshtrain.config_files import from_dict

@@ -178,7 +178,8 @@ def test_dropped_copies_contribute_nothing_and_a_large_capacity_drops_none():
                 e = indices[t, j]
                 hidden = F.silu(token @ w.gate_proj[e].t()) * (token @ w.up_proj[e].t())
                 want[t] += weights[t, j] * (hidden @ w.down_proj[e].t())
-    torch.testing.assert_close(got.reshape(-1, 16), want, rtol=1e-5, atol=1e-6)
+    # atol: sums of cancelling fp32 terms in another order (one intra-op thread: 1.6e-6 on an element of 0.05)
+    torch.testing.assert_close(got.reshape(-1, 16), want, rtol=1e-5, atol=5e-6)
 
 
 def test_bias_balancing_moves_towards_uniform_load():
