@@ -3,13 +3,14 @@ transformers' and a bit-exact export, resume under another layout, bitwise resum
 one, and ``meshtrain convert`` on several ranks."""
 
 import json
+import pathlib
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests.batch import Job, jobs
+from tests.batch import COMMAND, Job, command_result, jobs
 from tests.conftest import ROOT, torchrun
 from tests.hf_models import assert_same_tensors, read_tensors, write_hf_dir
 from tests.parity import LOSS_RTOL, TINY, TINY_NO_MODEL, checkpoint_of_step3, losses
@@ -135,23 +136,51 @@ def meshtrain(*args) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
-def test_convert_round_trip_on_several_ranks(tmp_path):
-    src = write_hf_dir(tmp_path / "src", "qwen3", torch.bfloat16)
+def convert_steps(directory: str) -> None:
+    """The convert round trip's launches, one after another (run as a command job): HF -> DCP on 4
+    ranks, DCP -> HF on 2, then training from the source on tp2 with an export; each launch's exit
+    status and output in steps.json, stopping at the first that fails."""
+    out = pathlib.Path(directory)
+    src = out / "src"
+    steps = {
+        "to_dcp": (4, ["-m", "meshtrain", "convert", "--src", str(src), "--dst", str(out / "dcp")]),
+        "to_hf": (2, ["-m", "meshtrain", "convert", "--src", str(out / "dcp"), "--dst", str(out / "hf")]),
+        # a weights-only checkpoint: step 0, fresh optimizer; export at the end
+        "train": (2, ["-m", "meshtrain", "train", *TINY_NO_MODEL, "--model.init-from-hf", str(src),
+                      "--parallel.tp", "2", "--train.steps", "2", "--train.run-dir", str(out / "run"),
+                      "--checkpoint.export-hf", str(out / "trained")]),
+    }
+    done = {}
+    for name, (nproc, args) in steps.items():
+        proc = torchrun(nproc, args)
+        done[name] = {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
+        if proc.returncode:
+            break
+    (out / "steps.json").write_text(json.dumps(done))
+
+
+def write_convert_source(directory: pathlib.Path) -> tuple[str, ...]:
+    src = write_hf_dir(directory / "src", "qwen3", torch.bfloat16)
     (src / "tokenizer.json").write_text("{}")  # carried along, not interpreted
-    proc = torchrun(4, ["-m", "meshtrain", "convert", "--src", str(src), "--dst", str(tmp_path / "dcp")])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert "verified: every tensor" in proc.stdout and "over 4 rank(s)" in proc.stdout
-    proc = torchrun(2, ["-m", "meshtrain", "convert", "--src", str(tmp_path / "dcp"), "--dst", str(tmp_path / "hf")])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return (sys.executable, "-c", f"from tests.test_checkpoint_parallel import convert_steps; "
+                                  f"convert_steps({str(directory)!r})")
+
+
+CONVERT = Job("checkpoint/convert-round-trip", 0, COMMAND, prepare=write_convert_source)
+
+
+@pytest.mark.job(CONVERT)
+def test_convert_round_trip_on_several_ranks(batches):
+    tmp_path = batches.result(CONVERT)
+    assert command_result(tmp_path).returncode == 0, command_result(tmp_path).stderr[-3000:]
+    steps = json.loads((tmp_path / "steps.json").read_text())
+    for name in ("to_dcp", "to_hf", "train"):
+        proc = steps[name]
+        assert proc["returncode"] == 0, name + proc["stdout"][-3000:] + proc["stderr"][-6000:]
+    src = tmp_path / "src"
+    assert "verified: every tensor" in steps["to_dcp"]["stdout"] and "over 4 rank(s)" in steps["to_dcp"]["stdout"]
     assert_same_tensors(read_tensors(src), read_tensors(tmp_path / "hf"))
     assert (tmp_path / "hf" / "tokenizer.json").read_text() == "{}"
-
-    # Train from the converted weights (a weights-only checkpoint: step 0, fresh optimizer), export at the end.
-    run_dir = tmp_path / "run"
-    proc = torchrun(2, ["-m", "meshtrain", "train", *TINY_NO_MODEL, "--model.init-from-hf", str(src),
-                        "--parallel.tp", "2", "--train.steps", "2", "--train.run-dir", str(run_dir),
-                        "--checkpoint.export-hf", str(tmp_path / "trained")])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     trained = read_tensors(tmp_path / "trained")
     assert {t.dtype for t in trained.values()} == {torch.bfloat16}  # auto: the source's dtype
     assert any(not torch.equal(trained[k], v) for k, v in read_tensors(src).items())  # it did train
