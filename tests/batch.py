@@ -32,7 +32,7 @@ from typing import Callable
 
 import pytest
 
-from tests.conftest import ROOT, stop_group, torchrun
+from tests.conftest import ROOT, run_in_own_session, stop_group, torchrun
 
 COMMAND = "command"
 """A job that is a process of its own: its args (and what its prepare returns) are the command line,
@@ -184,24 +184,22 @@ class Batches:
         self._note(f"command {job.name}")
         started = time.monotonic()
         try:
-            with subprocess.Popen(["nice", "-n", str(BACKGROUND_NICENESS), *args], cwd=ROOT, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, start_new_session=True,
-                                  env={**os.environ, "PYTHONPATH": str(ROOT)}) as process:
-                self._command = process
-                try:
-                    stdout, stderr = process.communicate(timeout=SECONDS_PER_COMMAND)
-                except BaseException:
-                    stop_group(process)
-                    raise
+            proc = run_in_own_session(args, {**os.environ, "PYTHONPATH": str(ROOT)}, SECONDS_PER_COMMAND,
+                                      BACKGROUND_NICENESS, started=self._command_started)
         except Exception as e:  # a hung command: subprocess.TimeoutExpired
             self.errors[job.name] = f"{type(e).__name__}: {e}"
             return
         finally:
             self._command = None
         (directory / "command.json").write_text(json.dumps(
-            {"args": args, "returncode": process.returncode, "stdout": stdout, "stderr": stderr}))
+            {"args": args, "returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}))
         (directory / "done").write_text(json.dumps({"seconds": round(time.monotonic() - started, 2)}))
         self._note(f"  ended ({job.name}, {time.monotonic() - started:.0f} s)")
+
+    def _command_started(self, process: subprocess.Popen) -> None:
+        self._command = process
+        if self._stopped:
+            stop_group(process)
 
     def result(self, job: Job) -> pathlib.Path:
         """The job's directory, once it has run (with every pending job of its world size)."""

@@ -62,10 +62,22 @@ def torchrun(nproc: int, args: list[str], timeout: int = 600, env: dict | None =
                 "PYTHONPATH": str(ROOT), **(env or {})}
     full_env.pop("MESHTRAIN_DEVICE", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+    proc = run_in_own_session(cmd, full_env, timeout, niceness, started)
+    if proc.returncode:
+        # Tests print the tail of stderr; the rank that failed first is often far above it.
+        causes = [line for line in proc.stderr.splitlines()
+                  if re.search(r"terminate called|what\(\)|\w+(Error|Exception):|enforce fail|Fatal Python error", line)]
+        proc.stderr += "\n--- error lines of every rank, in order ---\n" + "\n".join(causes[:30])
+    return proc
+
+
+def run_in_own_session(cmd: list[str], env: dict, timeout: float, niceness: int = 0,
+                       started: Callable[[subprocess.Popen], None] = lambda proc: None) -> subprocess.CompletedProcess:
+    """``cmd`` from the repository root in a session of its own, so that a timeout (or the end of the
+    test session, through ``started``'s handle) stops every process it started, not only the first."""
     if niceness:
         cmd = ["nice", "-n", str(niceness), *cmd]  # not preexec_fn: batches launch from a second thread
-    # A session of its own: a timeout (or the end of the test session) stops the ranks too, not only torchrun.
-    with subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as launcher:
         started(launcher)
         try:
@@ -73,13 +85,7 @@ def torchrun(nproc: int, args: list[str], timeout: int = 600, env: dict | None =
         except BaseException:
             stop_group(launcher)
             raise
-    proc = subprocess.CompletedProcess(cmd, launcher.returncode, stdout, stderr)
-    if proc.returncode:
-        # Tests print the tail of stderr; the rank that failed first is often far above it.
-        causes = [line for line in proc.stderr.splitlines()
-                  if re.search(r"terminate called|what\(\)|\w+(Error|Exception):|enforce fail|Fatal Python error", line)]
-        proc.stderr += "\n--- error lines of every rank, in order ---\n" + "\n".join(causes[:30])
-    return proc
+    return subprocess.CompletedProcess(cmd, launcher.returncode, stdout, stderr)
 
 
 def stop_group(launcher: subprocess.Popen) -> None:
