@@ -16,6 +16,11 @@ from meshtrain.models.family import Family, required
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
+def pattern_layer_types(layers: int, pattern: int) -> list[str]:
+    """Every pattern-th layer global, the rest local (transformers' sliding_window_pattern)."""
+    return [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(layers)]
+
+
 class Gemma2(Family):
     name = "gemma2"
     architecture = "Gemma2ForCausalLM"
@@ -28,8 +33,7 @@ class Gemma2(Family):
     unsupported = {"hidden_activation": "gelu_pytorch_tanh", "attention_bias": False}
 
     def layer_types(self, cfg) -> list[str]:
-        return cfg.layer_types or [FULL if (i + 1) % self.pattern == 0 else SLIDING
-                                   for i in range(cfg.num_hidden_layers)]
+        return cfg.layer_types or pattern_layer_types(cfg.num_hidden_layers, self.pattern)
 
     def sliding_window(self, cfg, layer):
         return cfg.sliding_window if self.layer_types(cfg)[layer] == SLIDING else None
@@ -59,12 +63,10 @@ class Gemma2(Family):
                      "set model.tie_word_embeddings=true")]
         return []
 
-    def layer_types_from_hf(self, hf, where) -> list[str]:
-        return list(hf.get("layer_types") or [FULL if (i + 1) % hf.get("sliding_window_pattern", self.pattern) == 0
-                                              else SLIDING for i in range(required(hf, "num_hidden_layers", where))])
-
     def config_from_hf(self, hf, where):
-        return dict(layer_types=self.layer_types_from_hf(hf, where), sliding_window=required(hf, "sliding_window", where),
+        kinds = hf.get("layer_types") or pattern_layer_types(required(hf, "num_hidden_layers", where),
+                                                             hf.get("sliding_window_pattern", self.pattern))
+        return dict(layer_types=list(kinds), sliding_window=required(hf, "sliding_window", where),
                     query_pre_attn_scalar=int(required(hf, "query_pre_attn_scalar", where)),
                     attn_logit_softcapping=hf.get("attn_logit_softcapping"),
                     final_logit_softcapping=hf.get("final_logit_softcapping"),

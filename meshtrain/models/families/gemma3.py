@@ -32,18 +32,15 @@ class Gemma3(Gemma2):
         else:  # transformers 4: rope_theta, rope_local_base_freq and rope_scaling
             full, theta, local_theta = hf.get("rope_scaling") or {}, hf.get("rope_theta", 1e6), \
                 hf.get("rope_local_base_freq", 1e4)
-        gemma2 = super().config_from_hf(hf, where)
-        del gemma2["attn_logit_softcapping"], gemma2["final_logit_softcapping"]  # None: required above
-        return gemma2 | dict(rope_theta=float(theta), rope_scaling=rope_scaling_from_hf(full, where),
+        return super().config_from_hf(hf, where) | dict(rope_theta=float(theta), rope_scaling=rope_scaling_from_hf(full, where),
                              local_rope_theta=float(local_theta))
 
     def config_to_hf(self, cfg):
         from meshtrain.hf.adapter import rope_to_hf
 
-        return dict(self.unsupported) | {
-            "rope_parameters": {FULL: rope_to_hf(cfg), SLIDING: {"rope_type": "default", "rope_theta": cfg.local_rope_theta}},
-            "layer_types": self.layer_types(cfg), "sliding_window": cfg.sliding_window,
-            "query_pre_attn_scalar": cfg.query_pre_attn_scalar}
+        # Gemma 2's keys (its soft caps None, as unsupported requires), the RoPE per layer type
+        return super().config_to_hf(cfg) | {
+            "rope_parameters": {FULL: rope_to_hf(cfg), SLIDING: {"rope_type": "default", "rope_theta": cfg.local_rope_theta}}}
 
 
 FAMILY = Gemma3()
