@@ -196,19 +196,22 @@ def test_an_unreadable_data_file_is_named_with_the_fix(tmp_path):
         assert "Traceback" not in proc.stderr
 
 
-def test_ctrl_c_during_prepare_says_so_once_and_leaves_nothing_that_opens(tmp_path):
+@contextlib.contextmanager
+def prepare_writing(tmp_path):
+    """`meshtrain prepare` with one tokenizing worker, yielded once it has written its first chunk
+    (the worker is then tokenizing the next); every process it started is killed at the end."""
     src = tmp_path / "src"
     src.mkdir()
     for i in range(40):  # 40 documents (a .txt file is one), tokenized one a chunk: ~0.15 s each here
         (src / f"doc{i:02}.txt").write_text(f"document {i} " + "lorem ipsum dolor sit amet " * 50_000 + "\n")
-    out = tmp_path / "data"
     # A session of its own: Ctrl-C signals the terminal's whole process group, the tokenizing workers
     # too. SIGINT back to its default first, as on a terminal: a shell that runs this suite in the
     # background (`cmd &` without job control) hands every child SIGINT ignored, and Python then
     # installs no KeyboardInterrupt handler (the CI run of this test ended with status 0).
     as_on_a_terminal = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
     proc = subprocess.Popen([sys.executable, "-c", as_on_a_terminal, sys.executable, "-m", "meshtrain", "prepare",
-                             "--input", str(src), "--output", str(out), "--workers", "1", "--chunk-documents", "1"],
+                             "--input", str(src), "--output", str(tmp_path / "data"), "--workers", "1",
+                             "--chunk-documents", "1"],
                             cwd=ROOT, env=env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -216,15 +219,49 @@ def test_ctrl_c_during_prepare_says_so_once_and_leaves_nothing_that_opens(tmp_pa
         while not (written.exists() and written.stat().st_size > 0) and time.monotonic() < deadline:
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             time.sleep(0.02)
-        os.killpg(proc.pid, signal.SIGINT)  # the first chunk is written: the worker is tokenizing the next
-        _, stderr = proc.communicate(timeout=120)
+        yield proc
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def ended(proc: subprocess.Popen) -> str:
+    """Its stderr once it has ended, or what is still running in its process group (and holds its
+    pipes open) if it has not within a minute."""
+    try:
+        return proc.communicate(timeout=60)[1]
+    except subprocess.TimeoutExpired:
+        left = subprocess.run(["ps", "-o", "pid,stat,wchan:20,args", "-g", str(proc.pid)], capture_output=True,
+                              text=True).stdout
+        pytest.fail(f"still running a minute later:\n{left}")
+
+
+def test_ctrl_c_during_prepare_says_so_once_and_leaves_nothing_that_opens(tmp_path):
+    with prepare_writing(tmp_path) as proc:
+        os.killpg(proc.pid, signal.SIGINT)
+        stderr = ended(proc)
     assert proc.returncode == 130, stderr[-3000:]
     assert stderr.strip().splitlines()[-1] == "meshtrain prepare: interrupted; nothing incomplete was published"
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no .bin/.idx/.json/.lock left
+
+
+def test_a_tokenizing_worker_killed_by_the_oom_killer_is_named_and_prepare_publishes_nothing(tmp_path):
+    """A multiprocessing.Pool waited forever for the lost chunk."""
+    with prepare_writing(tmp_path) as proc:
+        workers = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                      text=True).stdout.split()
+                   if b"spawn_main" in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(workers) == 1, workers
+        os.kill(workers[0], signal.SIGKILL)
+        stderr = ended(proc)
+    assert proc.returncode == 2, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == (
+        f"meshtrain: error: prepare: tokenizing worker 0 (pid {workers[0]}) was killed by signal 9 (SIGKILL: out of "
+        "memory?) before answering; nothing was published. Fix: rerun (with fewer --workers or a smaller "
+        "--chunk-documents if memory ran out)"), stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
 def test_a_short_write_on_a_full_disk_is_named_as_a_full_disk(mount_tmpfs):

@@ -4,7 +4,7 @@ Reads .txt / .jsonl / .parquet files (a file or a directory of them), or a Huggi
 saved to disk, document by document,
 tokenizes chunks of documents in worker processes, and writes the tokens in order to
 ``OUTPUT.bin`` / ``OUTPUT.idx`` (Megatron's indexed format, ``data/indexed.py``) as they come back.
-Memory is bounded by the chunks in flight (two per worker), never by the corpus. ``OUTPUT.json``
+Memory is bounded by the chunks in flight (one per worker), never by the corpus. ``OUTPUT.json``
 records what was prepared; a second run over the same inputs (same bytes, tokenizer and options:
 a content hash) is skipped. Files are written under ``.incomplete`` names and renamed at the end, so
 an interrupted prepare leaves nothing that opens as a dataset.
@@ -20,6 +20,7 @@ import json
 import multiprocessing
 import os
 import pathlib
+import pickle
 import signal
 import sys
 import threading
@@ -109,23 +110,118 @@ def _chunks(source: str, text_field: str, size: int) -> Iterator[list[str]]:
 
 
 def _encoded(cfg: PrepareConfig, workers: int) -> Iterator[tuple[torch.Tensor, list[int]]]:
-    """Every chunk's token tensors, in input order. At most 2 x workers chunks are in flight."""
+    """Every chunk's token tensors, in input order. One chunk per worker is in flight."""
     chunks = _chunks(cfg.input, cfg.text_field, cfg.chunk_documents)
     if workers == 0:
         _init_worker(cfg.tokenizer)
         yield from (_encode_chunk(c, cfg.append_eos) for c in chunks)
         return
-    ctx = multiprocessing.get_context("spawn")  # no fork of a process holding tokenizer threads
-    with _ignoring_ctrl_c():  # inherited through exec: the workers ignore it from their first instruction
-        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(cfg.tokenizer,))
-    with pool:
-        pending: collections.deque = collections.deque()
+    with _Tokenizers(workers, cfg.tokenizer, cfg.append_eos) as tokenizers:
+        yield from tokenizers.encoded(chunks)
+
+
+def _tokenize_forever(connection, tokenizer: str, append_eos: bool) -> None:
+    """A worker: a chunk in, its tokens (or the exception that stopped them) out, until the parent
+    closes the pipe or kills it."""
+    try:
+        _init_worker(tokenizer)
+        failure = None
+    except Exception as e:  # reported with the first chunk's answer, where the parent waits for one
+        failure = e
+    while True:
+        try:
+            chunk = connection.recv()
+        except EOFError:
+            return
+        try:
+            if failure is not None:
+                raise failure
+            answer = (_encode_chunk(chunk, append_eos), None)
+        except Exception as e:
+            answer = (None, e if _picklable(e) else RuntimeError(f"{type(e).__name__}: {e}"))
+        connection.send(answer)
+
+
+def _picklable(e: Exception) -> bool:
+    try:
+        pickle.dumps(e)
+        return True
+    except Exception:
+        return False
+
+
+class _Tokenizers:
+    """Tokenizing processes, each behind a pipe of its own: chunk k goes to worker k % n and its tokens
+    come back from there, so they arrive in input order with no shared queue, lock or helper thread
+    (multiprocessing.Pool has all three, and its shutdown handshake hung once on Ctrl-C in CI). Any
+    way out (the end, an error, Ctrl-C) kills them: they hold nothing but chunks sent, and nothing
+    waits on their cooperation. A worker that dies (the OOM killer) is an error naming it, where a
+    Pool waited forever on the lost task."""
+
+    def __init__(self, workers: int, tokenizer: str, append_eos: bool):
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process holding tokenizer threads
+        self.processes, self.connections = [], []
+        try:
+            with _ignoring_ctrl_c():  # inherited through exec: the workers ignore it from their first instruction
+                for _ in range(workers):
+                    mine, theirs = ctx.Pipe()
+                    self.connections.append(mine)
+                    process = ctx.Process(target=_tokenize_forever, args=(theirs, tokenizer, append_eos),
+                                          daemon=True, name=f"meshtrain-prepare-tokenizer-{len(self.processes)}")
+                    self.processes.append(process)
+                    process.start()
+                    theirs.close()
+        except BaseException:
+            self.__exit__()  # the ones that started
+            raise
+
+    def __enter__(self) -> "_Tokenizers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for process in self.processes:
+            if process.pid is not None:
+                process.kill()
+        for process in self.processes:
+            if process.pid is not None:
+                process.join()
+        for connection in self.connections:
+            connection.close()
+
+    def encoded(self, chunks: Iterator[list[str]]) -> Iterator[tuple[torch.Tensor, list[int]]]:
+        """Each worker's next chunk goes out as soon as its last answer is in, before that answer is
+        written: the writer never leaves a worker idle."""
+        idle = collections.deque(range(len(self.processes)))
+        in_flight: collections.deque[int] = collections.deque()
         for chunk in chunks:
-            pending.append(pool.apply_async(_encode_chunk, (chunk, cfg.append_eos)))
-            if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
+            if idle:
+                worker, answer = idle.popleft(), None
+            else:
+                worker = in_flight.popleft()
+                answer = self._answer(worker)
+            self.connections[worker].send(chunk)
+            in_flight.append(worker)
+            if answer is not None:
+                yield answer
+        while in_flight:
+            yield self._answer(in_flight.popleft())
+
+    def _answer(self, worker: int) -> tuple[torch.Tensor, list[int]]:
+        try:
+            tokens, failure = self.connections[worker].recv()
+        except EOFError:
+            process = self.processes[worker]
+            process.join(timeout=5)
+            code = process.exitcode
+            how = (f"was killed by signal {-code} ({signal.Signals(-code).name}"
+                   + (": out of memory?" if -code == signal.SIGKILL else "") + ")") if code and code < 0 else \
+                f"exited with status {code}"
+            raise DataError(f"prepare: tokenizing worker {worker} (pid {process.pid}) {how} before answering; nothing "
+                            "was published. Fix: rerun (with fewer --workers or a smaller --chunk-documents if memory "
+                            "ran out)") from None
+        if failure is not None:
+            raise failure
+        return tokens
 
 
 @contextlib.contextmanager
