@@ -226,6 +226,10 @@ class DataConfig:
     response_field: str = "response"
     overlong: Literal["truncate", "drop"] = "truncate"
     """SFT conversations longer than train.seq_len + 1 tokens: cut (truncate) or skip (drop); counted in the log."""
+    bad_records: Literal["error", "skip"] = "error"
+    """An SFT record that cannot be rendered (no messages, a content that is not text, a turn the chat
+    template refuses): stop with an error naming its file, record and turn, or skip it (counted in the
+    log, the first reason with it)."""
     document_mask: Literal["auto", "on", "off"] = "auto"
     """Attention inside each packed document only (block-causal, documents found by their EOS). auto:
     on where an EOS id is known, said in the log (on: an error where none is)."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import pathlib
+from dataclasses import dataclass
+from typing import Callable
 
 QWEN_STYLE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
@@ -50,3 +52,119 @@ def sft_data(directory: pathlib.Path) -> tuple[str, ...]:
     tok = chat_tokenizer(directory / "tok")
     return ("--data.format", "chat", "--data.tokenizer", str(tok / "tokenizer.json"),
             "--data.path", str(write_chats(directory / "chats.jsonl")))
+
+
+TEMPLATES = pathlib.Path(__file__).parent / "chat_templates"
+
+
+@dataclass(frozen=True)
+class Family:
+    """A real chat template (tests/chat_templates/README.md says where from), the special tokens its
+    tokenizer declares, and what the model learns to write for an assistant turn."""
+    template: str
+    special: tuple[str, ...]
+    bos: str | None
+    eos: str
+    target: Callable[[dict, bool], str]  # (assistant message, is the conversation's last) -> its target text
+    system: bool = True  # the template takes a system message
+    reasoning: str | None = None  # how a record gives reasoning: "field" (reasoning_content/thinking) or "content"
+
+
+def _answer(content: str) -> str:
+    return content.split("</think>")[-1]
+
+
+def _qwen3(m: dict, last: bool) -> str:
+    reasoning = m.get("reasoning_content") or ""
+    answer = _answer(m["content"]).lstrip("\n") if "</think>" in m["content"] else m["content"]
+    if "</think>" in m["content"] and not reasoning:
+        reasoning = m["content"].split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+    body = f"<think>\n{reasoning.strip(chr(10))}\n</think>\n\n{answer.lstrip(chr(10))}" if last else answer
+    return body + "<|im_end|>"
+
+
+def _qwq(m: dict, last: bool) -> str:
+    # its generation prompt opens "<think>\n": the model writes the rest
+    body = m["content"].removeprefix("<think>\n") if last else _answer(m["content"]).lstrip("\n")
+    return body + "<|im_end|>"
+
+
+def _gpt_oss(m: dict, last: bool) -> str:
+    final = f"<|channel|>final<|message|>{m['content']}" + ("<|return|>" if last else "<|end|>")
+    if last and (thinking := m.get("thinking") or m.get("reasoning_content")):  # analysis, then final
+        return f"<|channel|>analysis<|message|>{thinking}<|end|><|start|>assistant" + final
+    return final
+
+
+FAMILIES = {
+    "qwen3": Family("Qwen-Qwen3-0.6B.jinja", ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), None, "<|im_end|>",
+                    _qwen3, reasoning="field"),
+    "qwq": Family("Qwen-QwQ-32B.jinja", ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), None, "<|im_end|>", _qwq,
+                  reasoning="content"),
+    "deepseek_r1": Family("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
+                          ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"),
+                          "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>",
+                          lambda m, last: _answer(m["content"]) + "<｜end▁of▁sentence｜>", reasoning="content"),
+    "phi3_5": Family("microsoft-Phi-3.5-mini-instruct.jinja",
+                     ("<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"), None, "<|endoftext|>",
+                     lambda m, last: m["content"] + "<|end|>"),
+    "gpt_oss": Family("openai-gpt-oss-120b.jinja",
+                      ("<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>"),
+                      None, "<|return|>", _gpt_oss, reasoning="field"),
+    "mistral_nemo": Family("mistralai-Mistral-Nemo-Instruct-2407.jinja", ("<s>", "</s>", "[INST]", "[/INST]"), "<s>",
+                           "</s>", lambda m, last: m["content"] + "</s>"),
+    "gemma2": Family("google-gemma-2-2b-it.jinja", ("<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"), "<bos>",
+                     "<eos>", lambda m, last: m["content"].strip() + "<end_of_turn>", system=False),
+    "llama3_2": Family("meta-llama-Llama-3.2-3B-Instruct.jinja",
+                       ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                        "<|eot_id|>"), "<|begin_of_text|>", "<|eot_id|>",
+                       lambda m, last: m["content"].strip() + "<|eot_id|>"),
+}
+
+
+def family_conversations(family: Family) -> list[list[dict]]:
+    """Multi-turn conversations as public SFT sets hold them: a system message where the template
+    takes one, short answers that also occur in the prompts ("4", "yes"), and reasoning where the
+    family has it, in the record form it reads."""
+    user, assistant = "user", "assistant"
+    conversations = [
+        [{"role": user, "content": "What is 2+2? Answer yes if it is 4."}, {"role": assistant, "content": "4"},
+         {"role": user, "content": "Is 4 even?"}, {"role": assistant, "content": "yes"}],
+        [{"role": user, "content": "  Name a colour.  "}, {"role": assistant, "content": " Blue, like the sky. "}],
+    ]
+    if family.system:
+        conversations.append([{"role": "system", "content": "You are terse."},
+                              {"role": user, "content": "hi there"}, {"role": assistant, "content": "hello"},
+                              {"role": user, "content": "how are you?"}, {"role": assistant, "content": "fine, thanks"}])
+    if family.reasoning == "field":
+        conversations.append([{"role": user, "content": "Is 7 prime?"},
+                              {"role": assistant, "content": "No idea.", "reasoning_content": "It was asked before."},
+                              {"role": user, "content": "Think: is 7 prime?"},
+                              {"role": assistant, "content": "Yes, 7 is prime.",
+                               "reasoning_content": "7 has no divisor between 2 and 6."}])
+    if family.reasoning == "content":
+        conversations.append([{"role": user, "content": "Is 9 prime?"},
+                              {"role": assistant, "content": "<think>\n9 = 3 x 3.\n</think>\n\nNo, 9 = 3 x 3."},
+                              {"role": user, "content": "And 11?"},
+                              {"role": assistant, "content": "<think>\nNo divisor up to 3.\n</think>\n\nYes, 11 is prime."}])
+    return conversations
+
+
+def family_tokenizer(directory: pathlib.Path, family: Family) -> pathlib.Path:
+    """A byte-level BPE tokenizer with the family's special tokens, and its tokenizer_config.json
+    holding the family's real chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    directory.mkdir(parents=True, exist_ok=True)
+    template = (TEMPLATES / family.template).read_text()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = " ".join(m["content"] for c in family_conversations(family) for m in c) * 20
+    tok.train_from_iterator([text, template], trainers.BpeTrainer(
+        vocab_size=400, special_tokens=list(family.special), initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template, "eos_token": family.eos,
+        "bos_token": family.bos, "pad_token": family.eos}))
+    return directory

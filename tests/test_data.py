@@ -56,6 +56,8 @@ def test_txt_jsonl_parquet_and_directories(tmp_path):
     (lambda d: None, "data.path: .* does not exist"),
     (lambda d: d.mkdir(), "holds no .txt/.jsonl/.parquet files"),
     (lambda d: (d.mkdir(), (d / "x.jsonl").write_text("{bad\n")), r"x.jsonl:1: not valid JSON"),
+    (lambda d: (d.mkdir(), (d / "x.jsonl").write_bytes(b'{"text": "a"}\n\x86\xff\n')),
+     r"x.jsonl:2: not UTF-8 text \(byte 0x86 at byte 0 of the line\).*is this a binary file\?"),
     (lambda d: (d.mkdir(), (d / "x.jsonl").write_text('{"body": "a"}\n')), r"no string field 'text'.*data.text_field"),
     (lambda d: (d.mkdir(), (d / "x.parquet").write_bytes(b"not parquet")), r"x.parquet: cannot read column 'text'"),
 ])

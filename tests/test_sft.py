@@ -13,7 +13,7 @@ from meshtrain.data.sft import IGNORE, PackedConversations, examples, sft_datase
 from meshtrain.data.tokenizer import build_tokenizer
 from meshtrain.errors import DataError
 from tests.batch import Job, jobs
-from tests.chat_data import CONVERSATIONS, chat_tokenizer, sft_data, write_chats
+from tests.chat_data import CONVERSATIONS, FAMILIES, chat_tokenizer, family_conversations, family_tokenizer, sft_data, write_chats
 from tests.parity import PP_MODEL, TINY, assert_matches_reference, reference, run_layout
 
 
@@ -37,7 +37,8 @@ def test_chat_rendering_and_tokens_equal_transformers_apply_chat_template(tmp_pa
             elif run:
                 runs.append(hf.decode(run)), run.clear()
         runs += [hf.decode(run)] if run else []
-        assert runs == [m["content"] + "<|im_end|>\n" for m in conversation if m["role"] == "assistant"]
+        # (up to the end-of-turn token: the newline after it is the template's, as in transformers' masks)
+        assert runs == [m["content"] + "<|im_end|>" for m in conversation if m["role"] == "assistant"]
 
 
 # transformers' assistant-mask convention; the generation prompt opens an empty think block that the
@@ -65,6 +66,88 @@ def test_generation_blocks_mark_the_targets_as_transformers_assistant_mask(tmp_p
         want = hf.apply_chat_template(conversation, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         assert ids == list(want["input_ids"]) and [int(t) for t in targets] == list(want["assistant_masks"])
         assert any(targets)
+
+
+def target_runs(tokenizer, ids: list[int], targets: list[bool]) -> list[str]:
+    """The decoded runs of consecutive target tokens."""
+    runs, run = [], []
+    for token, target in zip(ids + [None], targets + [False]):
+        if target:
+            run.append(token)
+        elif run:
+            runs.append(tokenizer.decode(run)), run.clear()
+    return runs
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_real_chat_templates_give_transformers_ids_and_the_assistant_turns_as_targets(tmp_path, name):
+    """Eight families' shipped templates (tests/chat_templates), multi-turn, with a system message
+    where they take one and reasoning where they have it (Qwen3's reasoning_content, gpt-oss's
+    thinking under its alias, <think> in QwQ/R1 contents). Most do not render a conversation's
+    prefixes consistently, which the per-prefix rendering refused. Ids equal transformers'
+    apply_chat_template; the targets are each assistant turn as the template writes it after its
+    generation prompt, up to its end-of-turn token (written out per family in tests/chat_data.py)."""
+    transformers = pytest.importorskip("transformers")
+    family = FAMILIES[name]
+    tok_dir = family_tokenizer(tmp_path / "tok", family)
+    conversations = family_conversations(family)
+    with open(tmp_path / "chats.jsonl", "w") as f:
+        f.writelines(json.dumps({"messages": c}) + "\n" for c in conversations)
+    cfg = DataConfig(format="chat", tokenizer=str(tok_dir))
+    got = list(examples(cfg, str(tmp_path / "chats.jsonl"), build_tokenizer(cfg)))
+    hf = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
+    assert len(got) == len(conversations)
+    for (ids, targets), conversation in zip(got, conversations):
+        assert ids == list(hf.apply_chat_template(conversation, tokenize=True, return_dict=False))
+        answers = [m for m in conversation if m["role"] == "assistant"]
+        assert target_runs(hf, ids, targets) == [family.target(m, m is conversation[-1]) for m in answers]
+
+
+def test_records_as_public_sets_hold_them_render_as_transformers_and_bad_ones_are_named_or_skipped(tmp_path):
+    """Null keys (a parquet file gives every row every column: Llama 3.2's template tests
+    `'tool_calls' in message`), OpenAI-style text parts, and `reasoning` (transformers' alias) render
+    as transformers renders the record without them; an int content, a missing one and a turn the
+    template refuses (Gemma 2 takes no system message) are errors naming file, line and turn, or with
+    data.bad_records=skip are counted in the data line."""
+    transformers = pytest.importorskip("transformers")
+    llama, qwen3, gemma = (family_tokenizer(tmp_path / n, FAMILIES[n]) for n in ("llama3_2", "qwen3", "gemma2"))
+    plain = [{"role": "user", "content": "Is 4 even?"}, {"role": "assistant", "content": "yes"}]
+    nulls = [{"role": "user", "content": "Is 4 even?", "tool_calls": None},
+             {"role": "assistant", "content": [{"type": "text", "text": "y"}, {"type": "text", "text": "es"}],
+              "tool_calls": None, "reasoning_content": None}]
+    reasoning = [{"role": "user", "content": "Is 4 even?"}, {"role": "assistant", "content": "yes", "reasoning": "4 = 2 x 2"}]
+    for tok, odd, want, target in ((llama, nulls, plain, "yes<|eot_id|>"),
+                                   (qwen3, reasoning, reasoning, "<think>\n4 = 2 x 2\n</think>\n\nyes<|im_end|>")):
+        (tmp_path / "odd.jsonl").write_text(json.dumps({"messages": odd}) + "\n")
+        cfg = DataConfig(format="chat", tokenizer=str(tok))
+        [(ids, targets)] = examples(cfg, str(tmp_path / "odd.jsonl"), build_tokenizer(cfg))
+        hf = transformers.AutoTokenizer.from_pretrained(str(tok))
+        assert ids == list(hf.apply_chat_template(want, tokenize=True, return_dict=False))
+        assert target_runs(hf, ids, targets) == [target]
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(json.dumps({"messages": m}) for m in (
+        plain,
+        [{"role": "user", "content": 42}, {"role": "assistant", "content": "yes"}],
+        [{"role": "user", "content": "hi"}, {"role": "assistant"}],
+        [{"role": "system", "content": "Be terse."}, *plain],
+        plain)) + "\n")
+    cfg = DataConfig(format="chat", tokenizer=str(gemma))
+    with pytest.raises(DataError) as error:
+        list(examples(cfg, str(bad), build_tokenizer(cfg)))
+    assert str(error.value) == (f"{bad}:2: message 0 (user) has a content of type int ('42'); it must be a string "
+                                "or a list of text parts")
+    skipping = DataConfig(format="chat", tokenizer=str(gemma), bad_records="skip")
+    dataset, line = sft_dataset(skipping, str(bad), build_tokenizer(skipping), seq_len=64)
+    assert dataset.conversations == 2
+    assert (f", 3 bad records skipped (data.bad_records=skip; the first: {bad}:2: message 0 (user) has a content of "
+            "type int ('42'); it must be a string or a list of text parts);") in line
+    skipped: list[str] = []
+    list(examples(skipping, str(bad), build_tokenizer(skipping), skipped))
+    assert skipped[1:] == [
+        f"{bad}:3: message 1 (assistant) has no content; give it one (an empty string if it is empty)",
+        f"{bad}:4: the chat template refused it: TemplateError: System role not supported. Fix: correct the record to "
+        "the form this template takes, or set data.bad_records=skip"]
 
 
 def test_byte_offsets_name_the_character_of_each_byte():

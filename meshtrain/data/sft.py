@@ -3,11 +3,16 @@ and packed whole.
 
 ``data.format=chat``: records with ``messages`` ([{role, content}, ...]) are rendered by the model's
 chat template (tokenizer_config.json's ``chat_template``) through jinja2 exactly as transformers'
-``apply_chat_template`` renders it (the same sandbox, filters and globals). The assistant's part
-of the text is what the template's ``{% generation %}`` blocks hold, where it has them
-(transformers' assistant-mask convention); else it is found by rendering each conversation prefix
-with and without the assistant turn: the span between the prompt (``add_generation_prompt=True``)
-and the prefix with the answer is what the model learns to produce, its end-of-turn tokens included. ``data.format=prompt_response``: the
+``apply_chat_template`` renders it (the same sandbox, filters and globals), once per conversation.
+The assistant's part of the text is what the template's ``{% generation %}`` blocks hold, where it
+has them (transformers' assistant-mask convention). Else each assistant turn is located in that one
+render (``assistant_spans``): it starts where the template's generation prompt ends (what
+``add_generation_prompt=True`` appends, as far as the render shows it: a reasoning template's
+``<think>`` opener may be missing there) and ends with the first special token after the turn's
+content (``<|im_end|>``, ``<|eot_id|>``, ``</s>``, ...: what makes the model stop), so whatever the
+template writes in between (a reasoning block, tool calls) is learned too. Templates that render
+a conversation's prefixes differently inside the whole (Qwen3, gpt-oss, Phi-3.5, DeepSeek-R1,
+Mistral with a system message) need nothing more. ``data.format=prompt_response``: the
 text is prompt + response + EOS, the response and EOS the targets.
 
 Tokens are targets where their first character lies in an assistant span (the tokenizer's
@@ -22,6 +27,7 @@ from __future__ import annotations
 import datetime
 import json
 import pathlib
+import re
 from typing import Iterator
 
 import torch
@@ -113,32 +119,111 @@ def compile_template(template: str):
     return env.from_string(template)
 
 
-def render_chat(template, messages: list[dict], special: dict[str, str]) -> tuple[str, list[tuple[int, int]]]:
+def render_chat(template, messages: list[dict], special: dict[str, str], turn_ends: frozenset[str] = frozenset(),
+                tools: list | None = None) -> tuple[str, list[tuple[int, int]]]:
     """The conversation's text and the character spans of its assistant turns: the template's own
     ``{% generation %}`` blocks where it has them (rendered as transformers renders them for
-    ``return_assistant_tokens_mask``), else found by rendering each prefix of the conversation."""
+    ``return_assistant_tokens_mask``), else located in the render (``assistant_spans``)."""
+    messages = _with_reasoning_aliases(messages)
+    context = {"tools": tools, "documents": None, **special}  # what transformers passes beside the messages
     blocks, spans = [], []
     tracker = template.environment.generation_spans
     tracker.recording = (blocks, spans)
     try:
-        for block in template.generate(messages=messages, add_generation_prompt=False, **special):
+        for block in template.generate(messages=messages, add_generation_prompt=False, **context):
             blocks.append(block)
     finally:
         tracker.recording = None
     text = "".join(blocks)
-    if spans:
-        return text, spans
+    return text, spans or assistant_spans(template, messages, context, text, turn_ends)
+
+
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _with_reasoning_aliases(messages: list[dict]) -> list[dict]:
+    """A message's reasoning under every name templates read (Qwen3 ``reasoning_content``, gpt-oss
+    ``thinking``), from whichever it has: transformers' ``_alias_reasoning_fields`` (checked: 5.24)."""
+    aliased = []
+    for message in messages:
+        reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
+        aliased.append(message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning})
+    return aliased
+
+
+def assistant_spans(template, messages: list[dict], context: dict, text: str,
+                    turn_ends: frozenset[str]) -> list[tuple[int, int]]:
+    """Each assistant turn's span in ``text``, the whole conversation rendered once. Walking the
+    messages in order, a cursor moves past each user/tool content found; an assistant turn opens
+    after its generation prompt's first occurrence past the cursor and closes after the first of
+    ``turn_ends`` past its content (or at the content's end when none comes before the next
+    message)."""
+    ends = re.compile("|".join(re.escape(t) for t in sorted(turn_ends, key=len, reverse=True))) if turn_ends else None
+    spans, cursor = [], 0
     for i, message in enumerate(messages):
+        content = message.get("content")
         if message.get("role") != "assistant":
+            # a system message may be moved (Mistral writes it into the last user turn): no anchor
+            if message.get("role") != "system" and (found := _located(text, content, cursor)):
+                cursor = found[1]
             continue
-        prompt = template.render(messages=messages[:i], add_generation_prompt=True, **special)
-        answered = template.render(messages=messages[:i + 1], add_generation_prompt=False, **special)
-        if not (answered.startswith(prompt) and text.startswith(answered)):
-            raise DataError("the chat template does not render conversations incrementally (a prefix of the "
-                            "conversation renders differently inside the whole), so the assistant's tokens cannot be "
-                            "found; use a template that does, or data.format=prompt_response")
-        spans.append((len(prompt), len(answered)))
-    return text, spans
+        opened = _after_prompt(text, _generation_prompt(template, messages[:i], context), cursor)
+        start = cursor if opened is None else opened
+        found = _located(text, content, start)
+        if found is None:
+            if isinstance(content, str) and content.strip():
+                raise DataError(f"message {i} (assistant): its content is not in the template's rendering of the "
+                                "conversation, so its tokens cannot be marked as targets. Fix: give the template "
+                                "{% generation %} blocks, or use data.format=prompt_response")
+            found = (start, start)  # no content (tool calls only): the turn is what the template writes
+        end = found[1]
+        if ends is not None:
+            later = next((m.get("content") for m in messages[i + 1:] if m.get("role") != "system"), None)
+            limit = (_located(text, later, end) or (len(text),))[0]
+            if (marker := ends.search(text, end, limit)) is not None:
+                end = marker.end()
+        spans.append((found[0] if opened is None else opened, end))
+        cursor = end
+    return spans
+
+
+def _generation_prompt(template, history: list[dict], context: dict) -> str:
+    """What ``add_generation_prompt=True`` appends to ``history`` ('' where the template has none or
+    cannot render the history alone)."""
+    try:
+        without = template.render(messages=history, add_generation_prompt=False, **context)
+        with_prompt = template.render(messages=history, add_generation_prompt=True, **context)
+    except Exception:
+        return ""
+    return with_prompt[len(without):] if with_prompt.startswith(without) else ""
+
+
+def _after_prompt(text: str, prompt: str, cursor: int) -> int | None:
+    """Where the generation prompt's first occurrence past ``cursor`` ends: its longest prefix found
+    there, at least half of it (a reasoning template's prompt opens a ``<think>`` block that its
+    rendered history drops)."""
+    if not prompt:
+        return None
+    shortest = (len(prompt) + 1) // 2
+    at = text.find(prompt[:shortest], cursor)
+    if at < 0:
+        return None
+    length = shortest
+    while length < len(prompt) and text.startswith(prompt[:length + 1], at):
+        length += 1
+    return at + length
+
+
+def _located(text: str, content, cursor: int) -> tuple[int, int] | None:
+    """The span of ``content`` in ``text`` past ``cursor``, as the template may have written it:
+    whole, stripped, or without a reasoning part before ``</think>``."""
+    if not isinstance(content, str) or not content.strip():
+        return None
+    answer = content.split("</think>")[-1]
+    for candidate in dict.fromkeys((content, content.strip(), answer.strip())):
+        if candidate and (at := text.find(candidate, cursor)) >= 0:
+            return at, at + len(candidate)
+    return None
 
 
 def tokenize_spans(tokenizer: Tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[bool]]:
@@ -147,27 +232,72 @@ def tokenize_spans(tokenizer: Tokenizer, text: str, spans: list[tuple[int, int]]
     return ids, targets
 
 
-def examples(cfg: DataConfig, path: str, tokenizer: Tokenizer) -> Iterator[tuple[list[int], list[bool]]]:
-    """(token ids, target flags) of every conversation under ``path``."""
+def examples(cfg: DataConfig, path: str, tokenizer: Tokenizer,
+             skipped: list[str] | None = None) -> Iterator[tuple[list[int], list[bool]]]:
+    """(token ids, target flags) of every conversation under ``path``. A record that cannot be
+    rendered raises a DataError naming it, or with ``data.bad_records=skip`` is left out and its
+    reason appended to ``skipped``."""
     if cfg.format == "chat":
+        import jinja2
+
         template, special = load_chat_template(cfg)
         compiled = compile_template(template)
+        turn_ends = tokenizer.special_tokens | {v for v in special.values() if v}
     for where, record in records(path):
-        if cfg.format == "chat":
-            messages = record.get(cfg.messages_field)
-            if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-                raise DataError(f"{where}: no list of {{role, content}} messages in field {cfg.messages_field!r}; "
-                                "set data.messages_field, or data.format=prompt_response")
-            yield tokenize_spans(tokenizer, *render_chat(compiled, messages, special))
-        else:
-            prompt, response = record.get(cfg.prompt_field), record.get(cfg.response_field)
-            if not isinstance(prompt, str) or not isinstance(response, str):
-                raise DataError(f"{where}: no string fields {cfg.prompt_field!r} and {cfg.response_field!r}; set "
-                                "data.prompt_field / data.response_field")
-            ids, targets = tokenize_spans(tokenizer, prompt + response, [(len(prompt), len(prompt + response))])
-            if tokenizer.eos_id is not None:  # learn to stop
-                ids, targets = ids + [tokenizer.eos_id], targets + [True]
-            yield ids, targets
+        try:
+            if cfg.format == "chat":
+                messages = chat_messages(record, cfg.messages_field)
+                try:
+                    rendered = render_chat(compiled, messages, special, turn_ends, record.get("tools"))
+                except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+                    raise DataError(f"the chat template refused it: {type(e).__name__}: {e}. Fix: correct the "
+                                    "record to the form this template takes, or set data.bad_records=skip") from None
+                yield tokenize_spans(tokenizer, *rendered)
+            else:
+                prompt, response = record.get(cfg.prompt_field), record.get(cfg.response_field)
+                if not isinstance(prompt, str) or not isinstance(response, str):
+                    raise DataError(f"no string fields {cfg.prompt_field!r} and {cfg.response_field!r}; set "
+                                    "data.prompt_field / data.response_field")
+                ids, targets = tokenize_spans(tokenizer, prompt + response, [(len(prompt), len(prompt + response))])
+                if tokenizer.eos_id is not None:  # learn to stop
+                    ids, targets = ids + [tokenizer.eos_id], targets + [True]
+                yield ids, targets
+        except DataError as e:
+            if cfg.bad_records == "skip" and skipped is not None:
+                skipped.append(f"{where}: {e}")
+                continue
+            raise DataError(f"{where}: {e}") from None
+
+
+def chat_messages(record: dict, field: str) -> list[dict]:
+    """The record's messages as the template should see them: a null key is an absent one (a parquet
+    file or HF dataset gives every row every column), and a content given as a list of text parts
+    (``[{"type": "text", "text": ...}]``, the OpenAI form) is their text joined."""
+    messages = record.get(field)
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"no list of {{role, content}} messages in field {field!r}; set data.messages_field, or "
+                        "data.format=prompt_response")
+    plain = []
+    for turn, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise DataError(f"message {turn} has no role (got {str(message)[:80]!r}); each message is "
+                            "{\"role\": ..., \"content\": ...}")
+        message = {k: v for k, v in message.items() if v is not None}
+        content = message.get("content")
+        if isinstance(content, list):
+            kinds = {part.get("type") if isinstance(part, dict) else type(part).__name__ for part in content}
+            if kinds - {"text"}:
+                raise DataError(f"message {turn} ({message['role']}) has content parts of type "
+                                f"{sorted(map(str, kinds - {'text'}))}; meshtrain trains on text: give text parts only")
+            message["content"] = "".join(part.get("text", "") for part in content)
+        elif content is None and not message.get("tool_calls"):
+            raise DataError(f"message {turn} ({message['role']}) has no content; give it one (an empty string if "
+                            "it is empty)")
+        elif content is not None and not isinstance(content, str):
+            raise DataError(f"message {turn} ({message['role']}) has a content of type {type(content).__name__} "
+                            f"({str(content)[:40]!r}); it must be a string or a list of text parts")
+        plain.append(message)
+    return plain
 
 
 class PackedConversations(Dataset):
@@ -217,10 +347,12 @@ class PackedConversations(Dataset):
 
 def sft_dataset(cfg: DataConfig, path: str, tokenizer: Tokenizer, seq_len: int) -> tuple[PackedConversations, str]:
     pad = tokenizer.eos_id if tokenizer.eos_id is not None else 0
-    dataset = PackedConversations(examples(cfg, path, tokenizer), seq_len, pad, cfg.overlong)
+    skipped: list[str] = []
+    dataset = PackedConversations(examples(cfg, path, tokenizer, skipped), seq_len, pad, cfg.overlong)
     if len(dataset) == 0:
         raise DataError(f"data.path: {path} holds no conversation for data.format={cfg.format}"
-                        + (f" ({dataset.dropped} dropped as longer than train.seq_len + 1)" if dataset.dropped else ""))
+                        + (f" ({dataset.dropped} dropped as longer than train.seq_len + 1)" if dataset.dropped else "")
+                        + (f" ({len(skipped):,} bad records skipped; the first: {skipped[0]})" if skipped else ""))
     targets = int(dataset.targets.sum())
     if targets == 0:
         if dataset.without_targets == dataset.conversations:
@@ -232,6 +364,8 @@ def sft_dataset(cfg: DataConfig, path: str, tokenizer: Tokenizer, seq_len: int) 
                    "were truncated). Fix: raise train.seq_len or use data.overlong=drop")
         raise DataError(f"data.path: {path} holds no target tokens: {why}")
     without = f", {dataset.without_targets:,} without a response" if dataset.without_targets else ""
+    if skipped:
+        without += f", {len(skipped):,} bad records skipped (data.bad_records=skip; the first: {skipped[0]})"
     return dataset, (f"data: {path}, {cfg.format} SFT: {dataset.conversations:,} conversations in {len(dataset):,} "
                      f"samples, {targets:,} target tokens{without}; {dataset.truncated} truncated, {dataset.dropped} dropped "
                      f"as longer than train.seq_len + 1 (data.overlong={cfg.overlong})")

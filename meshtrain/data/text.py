@@ -61,14 +61,8 @@ def records(path: str) -> Iterator[tuple[str, dict]]:
         return
     for file in data_files(path):
         if file.suffix == ".jsonl":
-            with file.open(encoding="utf-8") as f:
-                for lineno, line in enumerate(f, 1):
-                    if line.strip():
-                        try:
-                            record = json.loads(line)
-                        except json.JSONDecodeError as e:
-                            raise DataError(f"{file}:{lineno}: not valid JSON ({e.msg})") from None
-                        yield f"{file}:{lineno}", record if isinstance(record, dict) else {}
+            for lineno, record in jsonl_records(file):
+                yield f"{file}:{lineno}", record if isinstance(record, dict) else {}
         elif file.suffix == ".parquet":
             import pyarrow.parquet as pq
 
@@ -111,22 +105,31 @@ def data_files(path: str) -> list[pathlib.Path]:
     return files
 
 
+def jsonl_records(file: pathlib.Path) -> Iterator[tuple[int, object]]:
+    """(line number, parsed JSON) of each non-blank line."""
+    with file.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{file}:{lineno}: not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {e.start} of the "
+                                "line): a .jsonl file is UTF-8 JSON, one record a line; is this a binary file?") from None
+            if line.strip():
+                try:
+                    yield lineno, json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{file}:{lineno}: not valid JSON ({e.msg})") from None
+
+
 def read_documents(file: pathlib.Path, text_field: str) -> Iterator[str]:
     if file.suffix == ".txt":  # the file's own text: no newline translation (read_text makes \r\n and \r \n)
         yield file.read_bytes().decode("utf-8", errors="replace")
     elif file.suffix == ".jsonl":
-        with file.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{file}:{lineno}: not valid JSON ({e.msg})") from None
-                if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                    raise DataError(f"{file}:{lineno}: no string field {text_field!r}; "
-                                    "set data.text_field to the field holding the text")
-                yield record[text_field]
+        for lineno, record in jsonl_records(file):
+            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+                raise DataError(f"{file}:{lineno}: no string field {text_field!r}; "
+                                "set data.text_field to the field holding the text")
+            yield record[text_field]
     else:
         try:
             import pyarrow.parquet as pq

@@ -12,6 +12,7 @@ from meshtrain.errors import DataError
 class Tokenizer(Protocol):
     vocab_size: int
     eos_id: int | None
+    special_tokens: frozenset[str]  # the text of each special token (a chat template's turn markers)
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -24,6 +25,7 @@ class ByteTokenizer:
     vocab_size = 258
     bos_id = 256
     eos_id = 257
+    special_tokens: frozenset[str] = frozenset()
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -62,6 +64,7 @@ class HFTokenizer:
                             f"({e}); check the file or use data.tokenizer=byte") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = next((i for n in self.EOS_NAMES if (i := self._tok.token_to_id(n)) is not None), None)
+        self.special_tokens = frozenset(t.content for t in self._tok.get_added_tokens_decoder().values() if t.special)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
