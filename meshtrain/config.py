@@ -226,6 +226,10 @@ class DataConfig:
     response_field: str = "response"
     overlong: Literal["truncate", "drop"] = "truncate"
     """SFT conversations longer than train.seq_len + 1 tokens: cut (truncate) or skip (drop); counted in the log."""
+    special_text_in_content: Literal["special", "text"] = "special"
+    """Text equal to a special token inside a message's content (a user writing "<|im_end|>"):
+    special (the token itself, as transformers' apply_chat_template tokenizes it) or text (spelled
+    out in ordinary tokens, so data cannot forge turn markers; only the template's own are special)."""
     bad_records: Literal["error", "skip"] = "error"
     """An SFT record that cannot be rendered (no messages, a content that is not text, a turn the chat
     template refuses): stop with an error naming its file, record and turn, or skip it (counted in the

@@ -226,8 +226,24 @@ def _located(text: str, content, cursor: int) -> tuple[int, int] | None:
     return None
 
 
-def tokenize_spans(tokenizer: Tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[bool]]:
-    ids, starts = tokenizer.encode_with_offsets(text)
+def written_contents(text: str, messages: list[dict]) -> list[tuple[int, int]]:
+    """Where the messages' contents and reasoning lie in their rendered ``text`` (the ranges whose
+    special-token text ``data.special_text_in_content=text`` spells out). A system message is looked
+    for anywhere (templates move it); the rest in order."""
+    ranges, cursor = [], 0
+    for message in messages:
+        for field in ("reasoning_content", "content"):  # in the order templates write them
+            found = _located(text, message.get(field), 0 if message.get("role") == "system" else cursor)
+            if found is not None:
+                ranges.append(found)
+                if message.get("role") != "system":
+                    cursor = found[1]
+    return ranges
+
+
+def tokenize_spans(tokenizer: Tokenizer, text: str, spans: list[tuple[int, int]],
+                   literal: list[tuple[int, int]] = ()) -> tuple[list[int], list[bool]]:
+    ids, starts = tokenizer.encode_with_offsets(text, literal)
     targets = [any(a <= start < b for a, b in spans) for start in starts]
     return ids, targets
 
@@ -252,7 +268,9 @@ def examples(cfg: DataConfig, path: str, tokenizer: Tokenizer,
                 except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
                     raise DataError(f"the chat template refused it: {type(e).__name__}: {e}. Fix: correct the "
                                     "record to the form this template takes, or set data.bad_records=skip") from None
-                yield tokenize_spans(tokenizer, *rendered)
+                literal = written_contents(rendered[0], _with_reasoning_aliases(messages)) \
+                    if cfg.special_text_in_content == "text" else ()
+                yield tokenize_spans(tokenizer, *rendered, literal)
             else:
                 prompt, response = record.get(cfg.prompt_field), record.get(cfg.response_field)
                 if not isinstance(prompt, str) or not isinstance(response, str):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import re
 from typing import Protocol
 
 from meshtrain.config import DataConfig
@@ -16,7 +17,7 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]: ...
+    def encode_with_offsets(self, text: str, literal: list[tuple[int, int]] = ()) -> tuple[list[int], list[int]]: ...
 
 
 class ByteTokenizer:
@@ -33,8 +34,9 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
-    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
-        """The ids and, for each, the index of the character it comes from."""
+    def encode_with_offsets(self, text: str, literal: list[tuple[int, int]] = ()) -> tuple[list[int], list[int]]:
+        """The ids and, for each, the index of the character it comes from (no special tokens: every
+        character is literal)."""
         ids, starts = [], []
         for index, char in enumerate(text):
             encoded = char.encode("utf-8")
@@ -69,11 +71,31 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
-        """The ids and, for each, the index of the character it starts at (special tokens in the text,
-        such as a chat template's, are matched whole)."""
-        encoding = self._tok.encode(text, add_special_tokens=False)
-        return encoding.ids, [start for start, _ in encoding.offsets]
+    def encode_with_offsets(self, text: str, literal: list[tuple[int, int]] = ()) -> tuple[list[int], list[int]]:
+        """The ids and, for each, the index of the character it starts at. Special tokens in the text
+        (a chat template's) are matched whole, except inside the ``literal`` character ranges, where
+        their text is ordinary text."""
+        if not literal or not self.special_tokens:
+            encoding = self._tok.encode(text, add_special_tokens=False)
+            return encoding.ids, [start for start, _ in encoding.offsets]
+        pattern = "|".join(re.escape(t) for t in sorted(self.special_tokens, key=len, reverse=True))
+        cuts = [m for m in re.finditer(pattern, text)
+                if not any(a <= m.start() < b for a, b in literal)]
+        ids, starts, at = [], [], 0
+        self._tok.encode_special_tokens = True  # the text between two of the template's specials: all literal
+        try:
+            for piece_start, piece_end, token in [(m.start(), m.end(), m.group()) for m in cuts] + [(len(text),) * 2 + (None,)]:
+                if piece_start > at:
+                    encoding = self._tok.encode(text[at:piece_start], add_special_tokens=False)
+                    ids += encoding.ids
+                    starts += [at + start for start, _ in encoding.offsets]
+                if token is not None:
+                    ids.append(self._tok.token_to_id(token))
+                    starts.append(piece_start)
+                at = piece_end
+        finally:
+            self._tok.encode_special_tokens = False
+        return ids, starts
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
