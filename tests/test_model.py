@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from meshtrain.config import ModelConfig, RopeScalingConfig
+from meshtrain.models.config import ModelConfig, RopeScalingConfig
 from meshtrain.models.initialize import init_weights
 from meshtrain.models.transformer import Transformer
 

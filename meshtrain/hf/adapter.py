@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from meshtrain.config import ModelConfig, RopeScalingConfig
+from meshtrain.models.config import ModelConfig, RopeScalingConfig
 from meshtrain.errors import CheckpointError
 from meshtrain.models import families
 from meshtrain.models.family import LM_HEAD, require, required

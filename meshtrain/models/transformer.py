@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Replicate
 
-from meshtrain.config import ModelConfig, RopeScalingConfig
+from meshtrain.models.config import ModelConfig, RopeScalingConfig
 from meshtrain.models.checkpointing import run_layer
 from meshtrain.models import documents
 from meshtrain.models.moe import MoE
