@@ -114,14 +114,14 @@ class Trainer:
             fix = (f"use the model's own tokenizer, data.tokenizer={own}" if own else
                    f"use the tokenizer {cfg.model.init_from_hf} was trained with (a tokenizer.json of at most "
                    f"{cfg.model.vocab_size} tokens)")
-        dataset, self.data_description = training_dataset(cfg.data, t.seq_len, t.seed, cfg.model.vocab_size, fix)
+        dataset, self.data_description = training_dataset(cfg.data, t, cfg.model.vocab_size, fix)
         self.document_eos, masking = self._document_masking()
         self.masked_cp = self.mesh.size("cp") > 1 and cfg.model.definition.needs_masked_attention(cfg.model, t.seq_len)
         self.data_description += f"; {masking}"
         self.eval_data = None
         if cfg.eval.interval and cfg.eval.data:
             held_out = dataclasses.replace(cfg.data, path=cfg.eval.data, blend=[])
-            self.eval_data = (training_dataset(held_out, t.seq_len, t.seed, cfg.model.vocab_size, fix)[0], cfg.eval.data)
+            self.eval_data = (training_dataset(held_out, t, cfg.model.vocab_size, fix)[0], cfg.eval.data)
         elif cfg.eval.interval:  # the last samples, never trained on
             keep = len(dataset) - int(len(dataset) * cfg.eval.split)
             self.eval_data = (Subset(dataset, range(keep, len(dataset))), f"eval.split={cfg.eval.split} of the data")

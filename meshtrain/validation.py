@@ -115,6 +115,9 @@ def check_ranges(cfg: JobConfig) -> None:
     if e.data and e.split:
         raise ConfigError(f"eval.data={e.data} and eval.split={e.split} both choose the held-out data; eval.data wins "
                           "and eval.split would hold nothing out. Fix: set one of them")
+    if e.split and cfg.data.blend:
+        raise ConfigError(f"eval.split={e.split} with data.blend: a blend repeats its smaller datasets, so its last "
+                          "samples are not held out from training. Fix: give held-out data as eval.data")
     if cfg.peft.export_adapter and not cfg.peft.adapters:
         raise ConfigError(f"peft.export_adapter={cfg.peft.export_adapter} with peft.method=none: there are no adapters "
                           "to export. Fix: set peft.method=lora (or dora), or drop peft.export_adapter")

@@ -37,7 +37,7 @@ def reference_run(cfg: JobConfig) -> dict:
     init_weights(model, t.seed)
     if cfg.peft.adapters:
         init_lora(model, t.seed)
-    dataset, _ = training_dataset(cfg.data, t.seq_len, t.seed, cfg.model.vocab_size)
+    dataset, _ = training_dataset(cfg.data, t, cfg.model.vocab_size)
     stream = BatchStream(dataset, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size, dp_size=1,
                          dp_rank=0, shuffle=cfg.data.shuffle, seed=t.seed, num_workers=0)
     moe_layers = [m for m in model.modules() if isinstance(m, MoE)]
@@ -48,7 +48,7 @@ def reference_run(cfg: JobConfig) -> dict:
     losses, grad_norms, val_losses = [], [], []
     held_out = None
     if cfg.eval.interval:
-        held_out = training_dataset(dataclasses.replace(cfg.data, path=cfg.eval.data, blend=[]), t.seq_len, t.seed,
+        held_out = training_dataset(dataclasses.replace(cfg.data, path=cfg.eval.data, blend=[]), t,
                                     cfg.model.vocab_size)[0]
     for step in range(1, t.steps + 1):
         batches = stream.next_step()

@@ -111,6 +111,8 @@ def test_every_bundled_config_loads():
     (["--eval.data", "held.txt", "--eval.split", "0.1"],
      r"eval.data=held.txt and eval.split=0.1 both choose the held-out data.*Fix: set one of them"),
     (["--peft.export-adapter", "out"], r"peft.export_adapter=out with peft.method=none: there are no adapters"),
+    (["--eval.split", "0.1", "--data.blend", "1", "a", "1", "b"],
+     r"eval.split=0.1 with data.blend: a blend repeats its smaller datasets.*Fix: give held-out data as eval.data"),
     (["--data.chat-template", "t.jinja"],
      r"data.chat_template=t.jinja with data.format=pretrain: only chat data.*Fix: set data.format=chat"),
 ])

@@ -254,21 +254,30 @@ def test_a_blend_trains_under_dp2_like_one_rank(batches, tmp_path):
 
 # ---- blends -------------------------------------------------------------------------------------
 
-def test_a_blend_samples_each_dataset_in_proportion_evenly_and_deterministically():
+def test_a_blend_gives_the_samples_asked_for_repeating_small_datasets_and_reading_large_ones_through():
+    """Megatron's semantics: 2,000 samples at 3:1 from 1,000 and 250 samples are 1,500 of a (all of
+    it, then half of it again) and 500 of b (twice over), each pass over a dataset in a new order,
+    evenly interleaved; the first samples of a blend do not depend on its size; seeded."""
     a = PackedDataset(torch.arange(0, 8001), 8)  # 1000 samples, ids 0..8000
     b = PackedDataset(torch.arange(10_000, 12_001), 8)  # 250 samples
-    blend = BlendedDataset([a, b], [0.75, 0.25], seed=0, names=["a", "b"])
-    assert len(blend) == 1000 and blend.counts == {"a": 750, "b": 250}  # b runs out first: 250 / 0.25
-    source = [int(blend[i][0][0] >= 10_000) for i in range(len(blend))]
-    assert sum(source) == 250
-    for start in range(0, 1000, 100):  # every window of 100 holds b's share within one sample
+    blend = BlendedDataset([a, b], [0.75, 0.25], seed=0, names=["a", "b"], samples=2000)
+    assert len(blend) == 2000 and blend.counts == {"a": 1500, "b": 500} and blend.epochs == {"a": 1.5, "b": 2.0}
+    firsts = [int(blend[i][0][0]) for i in range(len(blend))]
+    source = [int(f >= 10_000) for f in firsts]
+    for start in range(0, 2000, 100):  # every window of 100 holds b's share within one sample
         assert abs(sum(source[start:start + 100]) - 25) <= 1
-    firsts = {int(blend[i][0][0]) for i in range(len(blend))}
-    assert len(firsts) == 1000  # no sample twice
-    again = BlendedDataset([a, b], [3, 1], seed=0, names=["a", "b"])  # weights normalised
-    assert all(torch.equal(blend[i][0], again[i][0]) for i in range(0, 1000, 37))
-    other = BlendedDataset([a, b], [0.75, 0.25], seed=1, names=["a", "b"])
-    assert any(not torch.equal(blend[i][0], other[i][0]) for i in range(10))
+    draws = {name: [f for f in firsts if (f >= 10_000) == (name == "b")] for name in "ab"}
+    assert sorted(draws["a"][:1000]) == list(range(0, 8000, 8))  # a read through once, then again
+    assert len(set(draws["a"][1000:])) == 500
+    first, second = draws["b"][:250], draws["b"][250:]
+    assert sorted(first) == sorted(second) == list(range(10_000, 12_000, 8))  # b twice, all of it each time
+    assert first != second  # in a new order
+    shorter = BlendedDataset([a, b], [3, 1], seed=0, names=["a", "b"], samples=700)  # weights normalised
+    assert [int(shorter[i][0][0]) for i in range(700)] == firsts[:700]
+    other = BlendedDataset([a, b], [0.75, 0.25], seed=1, names=["a", "b"], samples=2000)
+    assert [int(other[i][0][0]) for i in range(20)] != firsts[:20]
+    in_order = BlendedDataset([a, b], [0.75, 0.25], seed=0, names=["a", "b"], samples=2000, shuffle=False)
+    assert [int(in_order[i][0][0]) for i in range(4)] == [0, 8, 10_000, 16]
 
 
 @pytest.mark.parametrize("blend,message", [

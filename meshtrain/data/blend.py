@@ -1,20 +1,25 @@
 """Blends: samples from several datasets in given proportions (``data.blend``, Megatron's
-``[weight, prefix, weight, prefix, ...]``).
+``[weight, prefix, weight, prefix, ...]``), with Megatron's semantics.
 
-The blend is one dataset of N packed samples, N the largest count no component runs out for
-(min over components of samples_d / weight_d). Component d contributes round(weight_d * N) of its
-samples, chosen by a permutation seeded by train.seed and d, and they are interleaved evenly: the
-k-th sample of d sits at position (k + 1/2) / weight_d of the merged order, so any window of the
-blend holds each component in proportion. The sampler above shuffles the blend per epoch as it
-does a single dataset, so the order is deterministic from the seed, a resume is exact, and the
-samples of an optimizer step are the same for every dp size. The index costs 10 bytes a sample.
+A blend is the number of samples the run asks for (train.steps x train.global_batch_size).
+Component d gives about weight_d of them: a dataset smaller than its share is repeated
+(up-sampled), a larger one is read through, and every pass over a component (its epoch) draws its
+samples in a new order (a permutation keyed by train.seed, d and the epoch; data.shuffle=false reads
+them in order). The draws are interleaved evenly: the k-th draw of d sits at position
+(k + 1/2) / weight_d of the merged order, so any window of the blend holds each component in
+proportion, and the first N samples of a blend are the same whatever its size (a resume with more
+train.steps continues the same sequence). The order is drawn here, so the sampler takes the blend
+as it is (``ordered``). The index costs 6 bytes a sample.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.utils.data import Dataset
 
+from meshtrain.data.sampler import Permutation
 from meshtrain.errors import ConfigError
 
 
@@ -41,26 +46,39 @@ def parse_blend(blend: list[str]) -> list[tuple[float, str]]:
 
 
 class BlendedDataset(Dataset):
-    def __init__(self, datasets: list[Dataset], weights: list[float], seed: int, names: list[str]):
+    ordered = True  # its order is drawn already: the sampler takes it as it is
+
+    def __init__(self, datasets: list[Dataset], weights: list[float], seed: int, names: list[str], samples: int,
+                 shuffle: bool = True):
         used = [(d, w, n) for d, w, n in zip(datasets, weights, names) if w > 0]
         empty = [n for d, _, n in used if len(d) == 0]
         if empty:
             raise ConfigError(f"data.blend: {empty[0]} holds no sample of train.seq_len+1 tokens")
-        self.datasets = [d for d, _, _ in used]
-        total = min(len(d) / w for d, w, _ in used)
-        counts = [min(len(d), round(w * total)) for d, w, _ in used]
-        which, index, position = [], [], []
-        for d, ((dataset, w, _), count) in enumerate(zip(used, counts)):
-            g = torch.Generator().manual_seed(seed * 1000 + d)
-            index.append(torch.randperm(len(dataset), generator=g)[:count])
+        total = sum(w for _, w, _ in used)
+        self.datasets, self.seed, self.shuffle = [d for d, _, _ in used], seed, shuffle
+        which, draw, position = [], [], []
+        for d, (_, w, _) in enumerate(used):  # enough draws of each that the first `samples` of the merge are here
+            count = math.ceil(w / total * samples) + 1
             which.append(torch.full((count,), d, dtype=torch.int16))
-            position.append((torch.arange(count, dtype=torch.float64) + 0.5) / w)
-        order = torch.argsort(torch.cat(position), stable=True)
-        self.which, self.index = torch.cat(which)[order], torch.cat(index)[order]
-        self.counts = dict(zip([n for _, _, n in used], counts))
+            draw.append(torch.arange(count, dtype=torch.int32))
+            position.append((torch.arange(count, dtype=torch.float64) + 0.5) / (w / total))
+        order = torch.argsort(torch.cat(position), stable=True)[:samples]
+        self.which, self.draw = torch.cat(which)[order], torch.cat(draw)[order]
+        counts = torch.bincount(self.which.to(torch.int64), minlength=len(used)).tolist()
+        self.counts = {n: c for (_, _, n), c in zip(used, counts)}
+        self.epochs = {n: c / len(d) for (d, _, n), c in zip(used, counts)}
+        self._permutations: dict[tuple[int, int], Permutation] = {}
 
     def __len__(self) -> int:
-        return len(self.index)
+        return len(self.which)
 
     def __getitem__(self, i: int):
-        return self.datasets[int(self.which[i])][int(self.index[i])]
+        d = int(self.which[i])
+        dataset = self.datasets[d]
+        epoch, j = divmod(int(self.draw[i]), len(dataset))
+        if self.shuffle:
+            key = (d, epoch)
+            if key not in self._permutations:
+                self._permutations[key] = Permutation(len(dataset), (self.seed * 1000 + d) * 1_000_003 + epoch)
+            j = self._permutations[key][j]
+        return dataset[j]

@@ -66,6 +66,8 @@ class BatchStream:
             )
         self.global_batch = global_batch
         self.accum = global_batch // (micro_batch * dp_size)
+        # a dataset whose order is drawn already (a blend) is taken as it is
+        shuffle = shuffle and not getattr(dataset, "ordered", False)
         self.sampler = ShuffledSampler(len(dataset), num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=seed)
         self.loader = StatefulDataLoader(
             dataset, batch_size=micro_batch, sampler=self.sampler, drop_last=True, num_workers=num_workers

@@ -13,7 +13,7 @@ import pathlib
 import torch
 from torch.utils.data import Dataset
 
-from meshtrain.config import DataConfig
+from meshtrain.config import DataConfig, TrainConfig
 from meshtrain.data.blend import BlendedDataset, parse_blend
 from meshtrain.data.indexed import IndexedDataset, is_indexed, prepared_metadata
 from meshtrain.data.loader import PackedDataset
@@ -47,10 +47,10 @@ def fitting_tokenizer(cfg: DataConfig, model_vocab: int, fix: str | None):
     return tokenizer
 
 
-def training_dataset(cfg: DataConfig, seq_len: int, seed: int, model_vocab: int,
-                     fix: str | None = None) -> tuple[Dataset, str]:
-    """The packed samples of data.path, or of data.blend's datasets in its proportions; and a line
-    describing them for the log."""
+def training_dataset(cfg: DataConfig, train: TrainConfig, model_vocab: int, fix: str | None = None) -> tuple[Dataset, str]:
+    """The packed samples of data.path, or the run's samples (train.steps x train.global_batch_size)
+    drawn from data.blend's datasets in its proportions; and a line describing them for the log."""
+    seq_len, seed = train.seq_len, train.seed
     if cfg.format != "pretrain":
         if cfg.blend:
             raise ConfigError(f"data.blend with data.format={cfg.format} is not supported: blend pretraining data, "
@@ -65,9 +65,11 @@ def training_dataset(cfg: DataConfig, seq_len: int, seed: int, model_vocab: int,
     for _, path in pairs:
         tokens, source = training_tokens(dataclasses.replace(cfg, path=path, blend=[]), model_vocab, fix)
         parts.append(PackedDataset(tokens, seq_len, vocab_size=model_vocab, source=source))
-    blend = BlendedDataset(parts, [w for w, _ in pairs], seed, [p for _, p in pairs])
-    shares = ", ".join(f"{name} {n:,} ({n / len(blend):.1%})" for name, n in blend.counts.items())
-    return blend, f"data: blend of {len(blend):,} samples: {shares}"
+    blend = BlendedDataset(parts, [w for w, _ in pairs], seed, [p for _, p in pairs],
+                           train.steps * train.global_batch_size, cfg.shuffle)
+    shares = ", ".join(f"{name} {n:,} ({n / len(blend):.1%}, {blend.epochs[name]:.2f} epochs of it)"
+                       for name, n in blend.counts.items())
+    return blend, f"data: blend of {len(blend):,} samples (train.steps x train.global_batch_size): {shares}"
 
 
 def end_of_document_id(cfg: DataConfig) -> int | None:
