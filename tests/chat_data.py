@@ -68,6 +68,7 @@ class Family:
     target: Callable[[dict, bool], str]  # (assistant message, is the conversation's last) -> its target text
     system: bool = True  # the template takes a system message
     reasoning: str | None = None  # how a record gives reasoning: "field" (reasoning_content/thinking) or "content"
+    tool_call: str | None = None  # the target text of TOOL_CALL's turn, where the template writes tool calls
 
 
 def _answer(content: str) -> str:
@@ -98,7 +99,8 @@ def _gpt_oss(m: dict, last: bool) -> str:
 
 FAMILIES = {
     "qwen3": Family("Qwen-Qwen3-0.6B.jinja", ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), None, "<|im_end|>",
-                    _qwen3, reasoning="field"),
+                    _qwen3, reasoning="field", tool_call='<tool_call>\n{"name": "get_weather", "arguments": '
+                                                         '{"city": "Paris"}}\n</tool_call><|im_end|>'),
     "qwq": Family("Qwen-QwQ-32B.jinja", ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), None, "<|im_end|>", _qwq,
                   reasoning="content"),
     "deepseek_r1": Family("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
@@ -111,15 +113,39 @@ FAMILIES = {
     "gpt_oss": Family("openai-gpt-oss-120b.jinja",
                       ("<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>"),
                       None, "<|return|>", _gpt_oss, reasoning="field"),
-    "mistral_nemo": Family("mistralai-Mistral-Nemo-Instruct-2407.jinja", ("<s>", "</s>", "[INST]", "[/INST]"), "<s>",
-                           "</s>", lambda m, last: m["content"] + "</s>"),
+    "mistral_nemo": Family("mistralai-Mistral-Nemo-Instruct-2407.jinja",
+                           ("<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
+                            "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"), "<s>", "</s>",
+                           lambda m, last: m["content"] + "</s>",
+                           tool_call='[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, '
+                                     '"id": "call12345"}]</s>'),
     "gemma2": Family("google-gemma-2-2b-it.jinja", ("<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"), "<bos>",
                      "<eos>", lambda m, last: m["content"].strip() + "<end_of_turn>", system=False),
     "llama3_2": Family("meta-llama-Llama-3.2-3B-Instruct.jinja",
                        ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                         "<|eot_id|>"), "<|begin_of_text|>", "<|eot_id|>",
-                       lambda m, last: m["content"].strip() + "<|eot_id|>"),
+                       lambda m, last: m["content"].strip() + "<|eot_id|>",
+                       tool_call='{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>'),
 }
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TOOL_CALL = {"role": "assistant", "content": "", "tool_calls": [
+    {"id": "call12345", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+
+
+def family_records(family: Family) -> list[dict]:
+    """Records of the family's conversations; with the tools, a tool call and its result where the
+    template writes tool calls."""
+    records = [{"messages": c} for c in family_conversations(family)]
+    if family.tool_call is not None:
+        records.append({"tools": TOOLS, "messages": [
+            {"role": "user", "content": "What is the weather in Paris?"}, TOOL_CALL,
+            {"role": "tool", "content": "20 degrees", "tool_call_id": "call12345"},
+            {"role": "assistant", "content": "It is 20 degrees in Paris."}]})
+    return records
 
 
 def family_conversations(family: Family) -> list[list[dict]]:
@@ -160,7 +186,7 @@ def family_tokenizer(directory: pathlib.Path, family: Family) -> pathlib.Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    text = " ".join(m["content"] for c in family_conversations(family) for m in c) * 20
+    text = " ".join(m["content"] for r in family_records(family) for m in r["messages"]) * 20
     tok.train_from_iterator([text, template], trainers.BpeTrainer(
         vocab_size=400, special_tokens=list(family.special), initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.save(str(directory / "tokenizer.json"))

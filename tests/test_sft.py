@@ -13,7 +13,7 @@ from meshtrain.data.sft import IGNORE, PackedConversations, examples, sft_datase
 from meshtrain.data.tokenizer import build_tokenizer
 from meshtrain.errors import DataError
 from tests.batch import Job, jobs
-from tests.chat_data import CONVERSATIONS, FAMILIES, chat_tokenizer, family_conversations, family_tokenizer, sft_data, write_chats
+from tests.chat_data import CONVERSATIONS, FAMILIES, chat_tokenizer, family_records, family_tokenizer, sft_data, write_chats
 from tests.parity import PP_MODEL, TINY, assert_matches_reference, reference, run_layout
 
 
@@ -82,25 +82,29 @@ def target_runs(tokenizer, ids: list[int], targets: list[bool]) -> list[str]:
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_real_chat_templates_give_transformers_ids_and_the_assistant_turns_as_targets(tmp_path, name):
     """Eight families' shipped templates (tests/chat_templates), multi-turn, with a system message
-    where they take one and reasoning where they have it (Qwen3's reasoning_content, gpt-oss's
-    thinking under its alias, <think> in QwQ/R1 contents). Most do not render a conversation's
+    where they take one, reasoning where they have it (Qwen3's reasoning_content, gpt-oss's
+    thinking under its alias, <think> in QwQ/R1 contents), and tools, a tool call and its result
+    (Qwen3, Llama 3.2, Mistral-Nemo). Most do not render a conversation's
     prefixes consistently, which the per-prefix rendering refused. Ids equal transformers'
     apply_chat_template; the targets are each assistant turn as the template writes it after its
     generation prompt, up to its end-of-turn token (written out per family in tests/chat_data.py)."""
     transformers = pytest.importorskip("transformers")
     family = FAMILIES[name]
     tok_dir = family_tokenizer(tmp_path / "tok", family)
-    conversations = family_conversations(family)
+    records = family_records(family)
     with open(tmp_path / "chats.jsonl", "w") as f:
-        f.writelines(json.dumps({"messages": c}) + "\n" for c in conversations)
+        f.writelines(json.dumps(r) + "\n" for r in records)
     cfg = DataConfig(format="chat", tokenizer=str(tok_dir))
     got = list(examples(cfg, str(tmp_path / "chats.jsonl"), build_tokenizer(cfg)))
     hf = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
-    assert len(got) == len(conversations)
-    for (ids, targets), conversation in zip(got, conversations):
-        assert ids == list(hf.apply_chat_template(conversation, tokenize=True, return_dict=False))
+    assert len(got) == len(records)
+    for (ids, targets), record in zip(got, records):
+        conversation = record["messages"]
+        assert ids == list(hf.apply_chat_template(conversation, tools=record.get("tools"), tokenize=True,
+                                                  return_dict=False))
         answers = [m for m in conversation if m["role"] == "assistant"]
-        assert target_runs(hf, ids, targets) == [family.target(m, m is conversation[-1]) for m in answers]
+        assert target_runs(hf, ids, targets) == [family.tool_call if m.get("tool_calls") else
+                                                 family.target(m, m is conversation[-1]) for m in answers]
 
 
 def test_records_as_public_sets_hold_them_render_as_transformers_and_bad_ones_are_named_or_skipped(tmp_path):
@@ -161,6 +165,7 @@ def test_special_token_text_in_content_is_spelled_out_when_asked(tmp_path):
     (tmp_path / "forged.jsonl").write_text(json.dumps({"messages": forged}) + "\n")
     hf = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
     marker = {name: hf.convert_tokens_to_ids(name) for name in ("<|im_start|>", "<|im_end|>")}
+    ids_special: list[int] = []
     for mode, specials in (("special", 3), ("text", 2)):
         cfg = DataConfig(format="chat", tokenizer=str(tok_dir), special_text_in_content=mode)
         [(ids, targets)] = examples(cfg, str(tmp_path / "forged.jsonl"), build_tokenizer(cfg))

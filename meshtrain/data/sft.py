@@ -157,7 +157,8 @@ def assistant_spans(template, messages: list[dict], context: dict, text: str,
     messages in order, a cursor moves past each user/tool content found; an assistant turn opens
     after its generation prompt's first occurrence past the cursor and closes after the first of
     ``turn_ends`` past its content (or at the content's end when none comes before the next
-    message)."""
+    message). A turn without content (tool calls) closes at the EOS token where one comes first;
+    gpt-oss's tool calls, which end in <|call|>, need the template's {% generation %} blocks."""
     ends = re.compile("|".join(re.escape(t) for t in sorted(turn_ends, key=len, reverse=True))) if turn_ends else None
     spans, cursor = [], 0
     for i, message in enumerate(messages):
@@ -175,12 +176,23 @@ def assistant_spans(template, messages: list[dict], context: dict, text: str,
                 raise DataError(f"message {i} (assistant): its content is not in the template's rendering of the "
                                 "conversation, so its tokens cannot be marked as targets. Fix: give the template "
                                 "{% generation %} blocks, or use data.format=prompt_response")
-            found = (start, start)  # no content (tool calls only): the turn is what the template writes
+            # No content (tool calls only): the turn is what the template writes, after its generation
+            # prompt, or where there is none (Mistral), after the previous turn's closing marker ([/INST]).
+            if opened is None and ends is not None and (closing := ends.match(text, start + len(text[start:]) -
+                                                                              len(text[start:].lstrip()))):
+                start = closing.end()
+            found = (start, start)
         end = found[1]
         if ends is not None:
             later = next((m.get("content") for m in messages[i + 1:] if m.get("role") != "system"), None)
             limit = (_located(text, later, end) or (len(text),))[0]
-            if (marker := ends.search(text, end, limit)) is not None:
+            # A turn of tool calls alone may hold special tokens of its own ([TOOL_CALLS]): it ends at
+            # the tokenizer's EOS (a chat model's end of turn) where one comes before the next message.
+            eos = context.get("eos_token")
+            stop = text.find(eos, end, limit) if eos and found[0] == found[1] else -1
+            if stop >= 0:
+                end = stop + len(eos)
+            elif (marker := ends.search(text, end, limit)) is not None:
                 end = marker.end()
         spans.append((found[0] if opened is None else opened, end))
         cursor = end
