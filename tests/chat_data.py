@@ -119,6 +119,13 @@ FAMILIES = {
                            lambda m, last: m["content"] + "</s>",
                            tool_call='[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, '
                                      '"id": "call12345"}]</s>'),
+    "deepseek_v3_1": Family("deepseek-ai-DeepSeek-V3.1.jinja",
+                            ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"),
+                            "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>",
+                            lambda m, last: m["content"] + "<｜end▁of▁sentence｜>"),
+    "granite3_3": Family("ibm-granite-granite-3.3-2B-Instruct.jinja",
+                         ("<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>", "<|tool_call|>"), None,
+                         "<|end_of_text|>", lambda m, last: m["content"] + "<|end_of_text|>"),
     "gemma2": Family("google-gemma-2-2b-it.jinja", ("<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"), "<bos>",
                      "<eos>", lambda m, last: m["content"].strip() + "<end_of_turn>", system=False),
     "llama3_2": Family("meta-llama-Llama-3.2-3B-Instruct.jinja",

@@ -81,7 +81,7 @@ def target_runs(tokenizer, ids: list[int], targets: list[bool]) -> list[str]:
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_real_chat_templates_give_transformers_ids_and_the_assistant_turns_as_targets(tmp_path, name):
-    """Eight families' shipped templates (tests/chat_templates), multi-turn, with a system message
+    """Ten families' shipped templates (tests/chat_templates), multi-turn, with a system message
     where they take one, reasoning where they have it (Qwen3's reasoning_content, gpt-oss's
     thinking under its alias, <think> in QwQ/R1 contents), and tools, a tool call and its result
     (Qwen3, Llama 3.2, Mistral-Nemo). Most do not render a conversation's
