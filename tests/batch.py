@@ -44,9 +44,10 @@ SECONDS_PER_COMMAND = 900
 SECONDS_PER_JOB = 120
 BACKGROUND_NICENESS = 19
 """The batches run niced: the test in the foreground (the session's critical path) gets its cores
-whenever it needs them, and the batches' ranks take every cycle left. At nice 10 (a tenth of a
-foreground task's share) the foreground's own multi-rank launches, whose ranks wait on each other in
-every collective, still ran 3-5x slower than alone (two local "nodes": 76 s in the suite, 16 s alone)."""
+whenever it needs them, and the batches' ranks take every cycle left. Each batch is a session of its
+own, so the nice value is set on the session's autogroup too (conftest.nice_session): with only the
+processes niced, the foreground's multi-rank launches, whose ranks wait on each other in every
+collective, ran 3-5x slower than alone (two local "nodes": 76 s in the suite, 16 s alone)."""
 
 
 @dataclass(frozen=True)

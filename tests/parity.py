@@ -48,14 +48,16 @@ GEMMA2 = (*NEW_FAMILY_STEPS, "--model.family", "gemma2", "--model.tie-word-embed
           "--model.final-logit-softcapping", "3.0")
 GEMMA3_PP = PP_MODEL + ("--model.layer-types", "sliding_attention", "full_attention", "sliding_attention",
                         "full_attention")
-def every_layout(pp_model: tuple[str, ...]) -> dict:
-    """dp2, tp2+SP, pp2, cp2 and pp2 x dp2 x tp2+SP (8 ranks): what each family after Qwen3 proves."""
+def every_layout(pp_model: tuple[str, ...], *names: str) -> dict:
+    """Of dp2, tp2+SP, pp2, cp2 and pp2 x dp2 x tp2+SP (8 ranks), the ``names`` (all by default): the
+    layouts a family's own blocks meet. The parallel plumbing itself is proven on Llama's full matrix."""
     pp = ("--parallel.pp", "2")
-    return {"dp2": (2, ("--parallel.dp-shard", "2"), ()),
-            "tp2-sp": (2, ("--parallel.tp", "2", "--parallel.sp", "True"), ()),
-            "pp2": (2, pp, pp_model),
-            "cp2": (2, ("--parallel.cp", "2"), ()),
-            "pp2-dp2-tp2-sp": (8, (*pp, "--parallel.tp", "2", "--parallel.sp", "True"), pp_model)}
+    layouts = {"dp2": (2, ("--parallel.dp-shard", "2"), ()),
+               "tp2-sp": (2, ("--parallel.tp", "2", "--parallel.sp", "True"), ()),
+               "pp2": (2, pp, pp_model),
+               "cp2": (2, ("--parallel.cp", "2"), ()),
+               "pp2-dp2-tp2-sp": (8, (*pp, "--parallel.tp", "2", "--parallel.sp", "True"), pp_model)}
+    return {name: layouts[name] for name in names or layouts}
 
 
 FAMILY_LAYOUTS = {  # family: (model options over TINY, {layout: (ranks, parallel options, more model options)})
@@ -67,18 +69,18 @@ FAMILY_LAYOUTS = {  # family: (model options over TINY, {layout: (ranks, paralle
         # foreach step must not mix them (it raised before the param groups were split by kind)
         "tp2": (2, ("--parallel.tp", "2"), ()),
     }),
-    # q/k/v biases: column-parallel with their weights, gathered by FSDP, on each stage
-    "qwen2": (("--model.family", "qwen2", *NEW_FAMILY_STEPS), every_layout(PP_MODEL)),
+    # q/k/v biases: column-parallel with their weights (tp), gathered by FSDP (dp)
+    "qwen2": (("--model.family", "qwen2", *NEW_FAMILY_STEPS), every_layout(PP_MODEL, "tp2-sp", "dp2")),
     # a window of 8 in sequences of 32 (under cp: keys gathered, the window masked by global position),
-    # and head_dim 8, not hidden / heads = 16
+    # and head_dim 8, not hidden / heads = 16 (tp splits heads)
     "mistral": (("--model.family", "mistral", "--model.sliding-window", "8", "--model.head-dim", "8",
-                 *NEW_FAMILY_STEPS), every_layout(PP_MODEL)),
+                 *NEW_FAMILY_STEPS), every_layout(PP_MODEL, "cp2", "tp2-sp")),
     # a local layer (window 8, its own RoPE base) and a global one, four norms per layer, a tied scaled
-    # embedding, query_pre_attn_scalar 12 with head_dim 8
+    # embedding, query_pre_attn_scalar 12 with head_dim 8: every layout, the 8-rank one too
     "gemma3": (GEMMA3, every_layout(GEMMA3_PP)),
     # soft-capped scores (computed without SDPA: under cp with every rank's keys) and logits (under tp
     # on the vocab shards), alternating local and global layers
-    "gemma2": (GEMMA2, every_layout(PP_MODEL)),
+    "gemma2": (GEMMA2, every_layout(PP_MODEL, "cp2", "tp2-sp")),
 }
 """Families other than Llama (tests/test_parallel.py's full matrix) and the MoE families
 (tests/test_moe.py's), each on a few layouts chosen for what the family adds."""
