@@ -48,6 +48,11 @@ whenever it needs them, and the batches' ranks take every cycle left. Each batch
 own, so the nice value is set on the session's autogroup too (conftest.nice_session): with only the
 processes niced, the foreground's multi-rank launches, whose ranks wait on each other in every
 collective, ran 3-5x slower than alone (two local "nodes": 76 s in the suite, 16 s alone)."""
+COMMAND_NICENESS = 10
+"""The command jobs run one after another, so their chain must not be the session's last: at the
+batches' nice it ended 50 s after them (gpu_check alone took 608 s of wall time for ~58 CPU-s). At
+nice 10 (an autogroup weight 7x the batches') they take most of the background's share and end early,
+and the batches, whose 8-rank launches fill both cores, end the session."""
 
 
 @dataclass(frozen=True)
@@ -186,7 +191,7 @@ class Batches:
         started = time.monotonic()
         try:
             proc = run_in_own_session(args, {**os.environ, "PYTHONPATH": str(ROOT)}, SECONDS_PER_COMMAND,
-                                      BACKGROUND_NICENESS, started=self._command_started)
+                                      COMMAND_NICENESS, started=self._command_started)
         except Exception as e:  # a hung command: subprocess.TimeoutExpired
             self.errors[job.name] = f"{type(e).__name__}: {e}"
             return

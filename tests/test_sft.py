@@ -84,7 +84,7 @@ def test_real_chat_templates_give_transformers_ids_and_the_assistant_turns_as_ta
     """Ten families' shipped templates (tests/chat_templates), multi-turn, with a system message
     where they take one, reasoning where they have it (Qwen3's reasoning_content, gpt-oss's
     thinking under its alias, <think> in QwQ/R1 contents), and tools, a tool call and its result
-    (Qwen3, Llama 3.2, Mistral-Nemo). Most do not render a conversation's
+    (Qwen3, Llama 3.2, Mistral-Nemo, gpt-oss). Most do not render a conversation's
     prefixes consistently, which the per-prefix rendering refused. Ids equal transformers'
     apply_chat_template; the targets are each assistant turn as the template writes it after its
     generation prompt, up to its end-of-turn token (written out per family in tests/chat_data.py)."""

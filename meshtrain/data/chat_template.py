@@ -142,8 +142,7 @@ def assistant_spans(template, messages: list[dict], context: dict, text: str,
     messages in order, a cursor moves past each user/tool content found; an assistant turn opens
     after its generation prompt's first occurrence past the cursor and closes after the first of
     ``turn_ends`` past its content (or at the content's end when none comes before the next
-    message). A turn without content (tool calls) closes at the EOS token where one comes first;
-    gpt-oss's tool calls, which end in <|call|>, need the template's {% generation %} blocks."""
+    message); a turn of tool calls alone as ``_end_of_tool_calls`` says."""
     ends = re.compile("|".join(re.escape(t) for t in sorted(turn_ends, key=len, reverse=True))) if turn_ends else None
     spans, cursor = [], 0
     for i, message in enumerate(messages):
@@ -153,7 +152,8 @@ def assistant_spans(template, messages: list[dict], context: dict, text: str,
             if message.get("role") != "system" and (found := _located(text, content, cursor)):
                 cursor = found[1]
             continue
-        opened = _after_prompt(text, _generation_prompt(template, messages[:i], context), cursor)
+        prompt = _generation_prompt(template, messages[:i], context)
+        opened = _after_prompt(text, prompt, cursor)
         start = cursor if opened is None else opened
         found = _located(text, content, start)
         if found is None:
@@ -171,17 +171,27 @@ def assistant_spans(template, messages: list[dict], context: dict, text: str,
         if ends is not None:
             later = next((m.get("content") for m in messages[i + 1:] if m.get("role") != "system"), None)
             limit = (_located(text, later, end) or (len(text),))[0]
-            # A turn of tool calls alone may hold special tokens of its own ([TOOL_CALLS]): it ends at
-            # the tokenizer's EOS (a chat model's end of turn) where one comes before the next message.
-            eos = context.get("eos_token")
-            stop = text.find(eos, end, limit) if eos and found[0] == found[1] else -1
-            if stop >= 0:
-                end = stop + len(eos)
+            if found[0] == found[1]:  # tool calls alone: they may hold special tokens of their own
+                end = _end_of_tool_calls(text, end, limit, context.get("eos_token"), prompt, ends)
             elif (marker := ends.search(text, end, limit)) is not None:
                 end = marker.end()
         spans.append((found[0] if opened is None else opened, end))
         cursor = end
     return spans
+
+
+def _end_of_tool_calls(text: str, start: int, limit: int, eos: str | None, prompt: str, ends: re.Pattern) -> int:
+    """Where a turn of tool calls alone ends, before ``limit`` (the next message's content): after the
+    tokenizer's EOS (a chat model's end of turn: Mistral's [TOOL_CALLS]...</s>), else just before the
+    next turn opens (the special token the generation prompt starts with: gpt-oss's <|start|> after
+    <|call|>), else after the first special token."""
+    if eos and (stop := text.find(eos, start, limit)) >= 0:
+        return stop + len(eos)
+    opener = ends.match(prompt)
+    if opener is not None and (following := text.find(opener.group(), start, limit)) >= 0:
+        return len(text[:following].rstrip())
+    marker = ends.search(text, start, limit)
+    return start if marker is None else marker.end()
 
 
 def _generation_prompt(template, history: list[dict], context: dict) -> str:
