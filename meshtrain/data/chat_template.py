@@ -163,9 +163,10 @@ def assistant_spans(template, messages: list[dict], context: dict, text: str,
                                 "{% generation %} blocks, or use data.format=prompt_response")
             # No content (tool calls only): the turn is what the template writes, after its generation
             # prompt, or where there is none (Mistral), after the previous turn's closing marker ([/INST]).
-            if opened is None and ends is not None and (closing := ends.match(text, start + len(text[start:]) -
-                                                                              len(text[start:].lstrip()))):
-                start = closing.end()
+            if opened is None and ends is not None:
+                past_space = len(text) - len(text[start:].lstrip())
+                if (closing := ends.match(text, past_space)) is not None:
+                    start = closing.end()
             found = (start, start)
         end = found[1]
         if ends is not None:
