@@ -22,20 +22,26 @@ CONVERSATIONS = [
 def chat_tokenizer(directory: pathlib.Path) -> pathlib.Path:
     """A byte-level BPE tokenizer.json with chat special tokens, and a tokenizer_config.json with a
     Qwen-style chat template: what a Hugging Face chat model ships."""
+    text = " ".join(m["content"] for c in CONVERSATIONS for m in c) * 20
+    return bpe_tokenizer(directory, [text], ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], 300, {
+        "chat_template": QWEN_STYLE, "eos_token": "<|endoftext|>", "bos_token": None, "pad_token": "<|endoftext|>"})
+
+
+def bpe_tokenizer(directory: pathlib.Path, texts: list[str], special: list[str], vocab_size: int,
+                  config: dict) -> pathlib.Path:
+    """A byte-level BPE tokenizer.json trained on ``texts`` with ``special`` tokens, beside a
+    tokenizer_config.json holding ``config`` (its chat template and special-token names)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     directory.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    text = " ".join(m["content"] for c in CONVERSATIONS for m in c) * 20
-    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300, special_tokens=special,
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": QWEN_STYLE,
-        "eos_token": "<|endoftext|>", "bos_token": None, "pad_token": "<|endoftext|>"}))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                                 **config}))
     return directory
 
 
@@ -187,18 +193,7 @@ def family_conversations(family: Family) -> list[list[dict]]:
 def family_tokenizer(directory: pathlib.Path, family: Family) -> pathlib.Path:
     """A byte-level BPE tokenizer with the family's special tokens, and its tokenizer_config.json
     holding the family's real chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    directory.mkdir(parents=True, exist_ok=True)
     template = (TEMPLATES / family.template).read_text()
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
     text = " ".join(m["content"] for r in family_records(family) for m in r["messages"]) * 20
-    tok.train_from_iterator([text, template], trainers.BpeTrainer(
-        vocab_size=400, special_tokens=list(family.special), initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template, "eos_token": family.eos,
-        "bos_token": family.bos, "pad_token": family.eos}))
-    return directory
+    return bpe_tokenizer(directory, [text, template], list(family.special), 400, {
+        "chat_template": template, "eos_token": family.eos, "bos_token": family.bos, "pad_token": family.eos})

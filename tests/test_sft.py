@@ -30,15 +30,9 @@ def test_chat_rendering_and_tokens_equal_transformers_apply_chat_template(tmp_pa
         want = hf.apply_chat_template(conversation, tokenize=True, return_dict=False)
         assert ids == list(want)
         # the targets decode to the assistant turns with their end-of-turn tokens, nothing else
-        runs, run = [], []
-        for token, target in zip(ids, targets):
-            if target:
-                run.append(token)
-            elif run:
-                runs.append(hf.decode(run)), run.clear()
-        runs += [hf.decode(run)] if run else []
         # (up to the end-of-turn token: the newline after it is the template's, as in transformers' masks)
-        assert runs == [m["content"] + "<|im_end|>" for m in conversation if m["role"] == "assistant"]
+        assert target_runs(hf, ids, targets) == [m["content"] + "<|im_end|>" for m in conversation
+                                                 if m["role"] == "assistant"]
 
 
 # transformers' assistant-mask convention; the generation prompt opens an empty think block that the

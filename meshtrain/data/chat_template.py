@@ -23,6 +23,7 @@ import pathlib
 import re
 
 from meshtrain.config import DataConfig
+from meshtrain.data.tokenizer import special_token_pattern
 from meshtrain.errors import DataError
 
 
@@ -108,7 +109,10 @@ def render_chat(template, messages: list[dict], special: dict[str, str], turn_en
                 tools: list | None = None) -> tuple[str, list[tuple[int, int]]]:
     """The conversation's text and the character spans of its assistant turns: the template's own
     ``{% generation %}`` blocks where it has them (rendered as transformers renders them for
-    ``return_assistant_tokens_mask``), else located in the render (``assistant_spans``)."""
+    ``return_assistant_tokens_mask``), else located in the render (``assistant_spans``). A record the
+    template refuses (its raise_exception, or a value of a type it cannot take) is a DataError."""
+    import jinja2
+
     messages = with_reasoning_aliases(messages)
     context = {"tools": tools, "documents": None, **special}  # what transformers passes beside the messages
     blocks, spans = [], []
@@ -117,10 +121,13 @@ def render_chat(template, messages: list[dict], special: dict[str, str], turn_en
     try:
         for block in template.generate(messages=messages, add_generation_prompt=False, **context):
             blocks.append(block)
+        text = "".join(blocks)
+        return text, spans or assistant_spans(template, messages, context, text, turn_ends)
+    except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+        raise DataError(f"the chat template refused it: {type(e).__name__}: {e}. Fix: correct the record to the "
+                        "form this template takes, or set data.bad_records=skip") from None
     finally:
         tracker.recording = None
-    text = "".join(blocks)
-    return text, spans or assistant_spans(template, messages, context, text, turn_ends)
 
 
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -143,7 +150,7 @@ def assistant_spans(template, messages: list[dict], context: dict, text: str,
     after its generation prompt's first occurrence past the cursor and closes after the first of
     ``turn_ends`` past its content (or at the content's end when none comes before the next
     message); a turn of tool calls alone as ``_end_of_tool_calls`` says."""
-    ends = re.compile("|".join(re.escape(t) for t in sorted(turn_ends, key=len, reverse=True))) if turn_ends else None
+    ends = special_token_pattern(turn_ends) if turn_ends else None
     spans, cursor = [], 0
     for i, message in enumerate(messages):
         content = message.get("content")

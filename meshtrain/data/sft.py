@@ -43,20 +43,14 @@ def examples(cfg: DataConfig, path: str, tokenizer: Tokenizer,
     rendered raises a DataError naming it, or with ``data.bad_records=skip`` is left out and its
     reason appended to ``skipped``."""
     if cfg.format == "chat":
-        import jinja2
-
         template, special = load_chat_template(cfg)
         compiled = compile_template(template)
-        turn_ends = tokenizer.special_tokens | {v for v in special.values() if v}
+        turn_ends = tokenizer.special_tokens | {v for v in special.values() if v}  # a frozenset: its pattern is cached
     for where, record in records(path):
         try:
             if cfg.format == "chat":
                 messages = chat_messages(record, cfg.messages_field)
-                try:
-                    rendered = render_chat(compiled, messages, special, turn_ends, record.get("tools"))
-                except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
-                    raise DataError(f"the chat template refused it: {type(e).__name__}: {e}. Fix: correct the "
-                                    "record to the form this template takes, or set data.bad_records=skip") from None
+                rendered = render_chat(compiled, messages, special, turn_ends, record.get("tools"))
                 literal = written_contents(rendered[0], with_reasoning_aliases(messages)) \
                     if cfg.special_text_in_content == "text" else ()
                 yield tokenize_spans(tokenizer, *rendered, literal)

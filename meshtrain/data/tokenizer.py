@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 import pathlib
 import re
 from typing import Protocol
 
 from meshtrain.config import DataConfig
 from meshtrain.errors import DataError
+
+
+@functools.cache
+def special_token_pattern(tokens: frozenset[str]) -> re.Pattern:
+    """Any of ``tokens`` (special tokens' text), longest first where one is a prefix of another.
+    Cached: built once per tokenizer, not once per conversation."""
+    return re.compile("|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)))
 
 
 class Tokenizer(Protocol):
@@ -78,21 +86,23 @@ class HFTokenizer:
         if not literal or not self.special_tokens:
             encoding = self._tok.encode(text, add_special_tokens=False)
             return encoding.ids, [start for start, _ in encoding.offsets]
-        pattern = "|".join(re.escape(t) for t in sorted(self.special_tokens, key=len, reverse=True))
-        cuts = [m for m in re.finditer(pattern, text)
-                if not any(a <= m.start() < b for a, b in literal)]
         ids, starts, at = [], [], 0
-        self._tok.encode_special_tokens = True  # the text between two of the template's specials: all literal
+
+        def literally(end: int) -> None:  # text[at:end], special-token text in it spelled out
+            encoding = self._tok.encode(text[at:end], add_special_tokens=False)
+            ids.extend(encoding.ids)
+            starts.extend(at + start for start, _ in encoding.offsets)
+
+        self._tok.encode_special_tokens = True
         try:
-            for piece_start, piece_end, token in [(m.start(), m.end(), m.group()) for m in cuts] + [(len(text),) * 2 + (None,)]:
-                if piece_start > at:
-                    encoding = self._tok.encode(text[at:piece_start], add_special_tokens=False)
-                    ids += encoding.ids
-                    starts += [at + start for start, _ in encoding.offsets]
-                if token is not None:
-                    ids.append(self._tok.token_to_id(token))
-                    starts.append(piece_start)
-                at = piece_end
+            for marker in special_token_pattern(self.special_tokens).finditer(text):
+                if any(a <= marker.start() < b for a, b in literal):
+                    continue  # inside a message: left to the text around it
+                literally(marker.start())
+                ids.append(self._tok.token_to_id(marker.group()))  # one of the template's own
+                starts.append(marker.start())
+                at = marker.end()
+            literally(len(text))
         finally:
             self._tok.encode_special_tokens = False
         return ids, starts
