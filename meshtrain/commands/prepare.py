@@ -213,9 +213,11 @@ class _Tokenizers:
             process = self.processes[worker]
             process.join(timeout=5)
             code = process.exitcode
-            how = (f"was killed by signal {-code} ({signal.Signals(-code).name}"
-                   + (": out of memory?" if -code == signal.SIGKILL else "") + ")") if code and code < 0 else \
-                f"exited with status {code}"
+            if code is not None and code < 0:
+                guess = ": out of memory?" if -code == signal.SIGKILL else ""
+                how = f"was killed by signal {-code} ({signal.Signals(-code).name}{guess})"
+            else:
+                how = f"exited with status {code}"
             raise DataError(f"prepare: tokenizing worker {worker} (pid {process.pid}) {how} before answering; nothing "
                             "was published. Fix: rerun (with fewer --workers or a smaller --chunk-documents if memory "
                             "ran out)") from None
