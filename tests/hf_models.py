@@ -42,6 +42,11 @@ FAMILIES = {  # family: (transformers config class, its tiny config)
         rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
         bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+    # the checkpoint's fused qkv_proj and gate_up_proj (awkward rows: 64 + 2 x 32 and 2 x 80), a window
+    "phi3": ("Phi3Config", dict(
+        vocab_size=383, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=16, max_position_embeddings=256, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0)),
     "qwen3_moe": ("Qwen3MoeConfig", dict(
         vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,

@@ -81,6 +81,9 @@ FAMILY_LAYOUTS = {  # family: (model options over TINY, {layout: (ranks, paralle
     # soft-capped scores (computed without SDPA: under cp with every rank's keys) and logits (under tp
     # on the vocab shards), alternating local and global layers
     "gemma2": (GEMMA2, every_layout(PP_MODEL, "cp2", "tp2-sp")),
+    # Mistral's blocks (the checkpoint's fused tensors are tests/test_checkpoint_parallel.py's import
+    # layout): the family trains under tp and SP as on one rank
+    "phi3": (("--model.family", "phi3", "--model.sliding-window", "8", *NEW_FAMILY_STEPS), every_layout(PP_MODEL, "tp2-sp")),
 }
 """Families other than Llama (tests/test_parallel.py's full matrix) and the MoE families
 (tests/test_moe.py's), each on a few layouts chosen for what the family adds."""

@@ -33,10 +33,12 @@ IMPORT_LAYOUTS = {
     "mistral-fp32-pp2-tp2": (4, "mistral", torch.float32, ["--parallel.pp", "2", "--parallel.tp", "2"]),
     # the scaled embedding on the first stage, the tied head on the last, local and global RoPE tables
     "gemma3-bf16-pp2": (2, "gemma3", torch.bfloat16, ["--parallel.pp", "2"]),
+    # fused qkv_proj / gate_up_proj: each rank reads and writes its row ranges of every part (tp, then FSDP)
+    "phi3-bf16-tp2-dp2": (4, "phi3", torch.bfloat16, ["--parallel.tp", "2"]),
 }
 OVERRIDES = {"llama-tied-bf16-tp2-sp": {"tie_word_embeddings": True}, "llama-tied-fp32-pp2": {"tie_word_embeddings": True},
              "qwen2-tied-bf16-tp2-sp": {"tie_word_embeddings": True, "vocab_size": 384},
-             "mistral-fp32-pp2-tp2": {"vocab_size": 384},
+             "mistral-fp32-pp2-tp2": {"vocab_size": 384}, "phi3-bf16-tp2-dp2": {"vocab_size": 384},
              "gemma3-bf16-pp2": {"vocab_size": 384, "num_hidden_layers": 4,
                                  "layer_types": ["sliding_attention", "full_attention"] * 2}}
 

@@ -19,7 +19,8 @@ CASES = {"llama": ("llama", {}), "qwen3": ("qwen3", {}), "llama-tied": ("llama",
          "qwen3-mha": ("qwen3", {"num_key_value_heads": 4}),
          "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}), "mistral": ("mistral", {}),
          "mistral-no-window": ("mistral", {"sliding_window": None}), "gemma3": ("gemma3", {}),
-         "gemma2": ("gemma2", {})}
+         "gemma2": ("gemma2", {}), "phi3": ("phi3", {}), "phi3-tied-no-window": ("phi3", {"tie_word_embeddings": True,
+                                                                                      "sliding_window": None})}
 
 
 
@@ -215,10 +216,10 @@ def test_export_never_overwrites_and_a_failed_one_leaves_no_complete_looking_dir
     assert not (tmp_path / "out.incomplete").exists()
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "phi3"])
 def test_convert_round_trip_of_a_new_family_is_exact(family, tmp_path):
     """``meshtrain convert`` HF -> DCP -> HF in one process (tests/test_checkpoint_parallel.py does it
-    on several ranks for qwen3): the same bytes, biases and explicit head_dim included."""
+    on several ranks for qwen3): the same bytes, biases, explicit head_dim and fused tensors included."""
     from meshtrain.cli import main
 
     src = write_hf_dir(tmp_path / "src", family, torch.bfloat16)

@@ -59,6 +59,14 @@ def test_targets_that_match_nothing_or_split_the_fused_gate_up_pair_for_peft_are
     with pytest.raises(ConfigError, match=r"dense MLP of this MoE model \(layers.0.mlp.gate_proj\).*Fix: target the "
                                           r"attention projections only"):
         check_lora(PeftConfig(method="dora", targets=["layers.0.mlp.*_proj"], export_adapter="out"), mixed)
+    # Phi-3's checkpoint fuses q/k/v_proj and gate/up_proj: LoRA on some parts exports (zero rows for the
+    # others), DoRA rescales every row of the fused module, so it needs all of them
+    phi3 = tiny(family="phi3")
+    check_lora(PeftConfig(method="lora", targets=["*.q_proj"], export_adapter="out"), phi3)
+    check_lora(PeftConfig(method="dora", targets=["*.q_proj"]), phi3)
+    with pytest.raises(ConfigError, match=r"adapt layers.\d.self_attn.q_proj but not all of self_attn.q_proj, "
+                                          r"self_attn.k_proj, self_attn.v_proj.*Fix: target all of \*.q_proj, \*.k_proj"):
+        check_lora(PeftConfig(method="dora", targets=["*.q_proj"], export_adapter="out"), phi3)
 
 
 LORA = ("--peft.method", "lora", "--peft.rank", "4", "--peft.alpha", "8", "--optimizer.lr", "3e-3")
@@ -338,8 +346,11 @@ def test_expert_adapters_load_in_peft_and_merge_into_a_transformers_model(tmp_pa
     assert (adapted - plain).abs().max() > 1e-2
 
 
-def test_dora_starts_as_the_base_model_and_gives_peft_s_logits_merged_or_not(tmp_path):
-    """DoRA on a Llama imported from transformers: at init the base model's logits; trained (B and
+@pytest.mark.parametrize("family, targets", [("llama", ["*.q_proj", "*.o_proj", "*.down_proj"]),
+                                             ("phi3", ["*.gate_proj", "*.up_proj", "*.o_proj"])])
+def test_dora_starts_as_the_base_model_and_gives_peft_s_logits_merged_or_not(tmp_path, family, targets):
+    """DoRA on a Llama imported from transformers (and on a Phi-3's gate and up projections: one DoRA
+    adapter of the checkpoint's gate_up_proj, the magnitudes stacked): at init the base model's logits; trained (B and
     the magnitudes moved) the PEFT adapter (use_dora) on the HF model and the merged weights give
     meshtrain's logits."""
     peft = pytest.importorskip("peft")
@@ -350,13 +361,13 @@ def test_dora_starts_as_the_base_model_and_gives_peft_s_logits_merged_or_not(tmp
     from tests.hf_models import write_hf_dir
     from tests.hf_models import meshtrain_from
 
-    directory = write_hf_dir(tmp_path / "model", shard=None)
+    directory = write_hf_dir(tmp_path / "model", family, shard=None)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(directory)).eval()
     ours = meshtrain_from(directory)
-    dora = PeftConfig(method="dora", rank=4, alpha=8, targets=["*.q_proj", "*.o_proj", "*.down_proj"])
+    dora = PeftConfig(method="dora", rank=4, alpha=8, targets=targets)
     assert len(add_lora(ours, dora)) == 6 and isinstance(ours.layers["0"].self_attn.o_proj, DoRALinear)
     init_lora(ours, 0)
-    tokens = torch.randint(0, 384, (2, 16), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, ours.cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         plain = hf(tokens).logits
         torch.testing.assert_close(ours(tokens), plain, rtol=1e-5, atol=1e-5)
@@ -387,10 +398,13 @@ def test_a_lora_checkpoint_of_an_hf_base_resumed_without_it_names_the_base():
         check_architecture(meta, ModelConfig(), "ckpt")
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
-def test_new_family_adapters_load_in_peft_and_merge_into_a_transformers_model(tmp_path, family):
-    """LoRA on the default targets of a Qwen2 (q/k/v biases beside the adapters) and a Gemma 3 (tied,
-    four norms a layer) imported from transformers: the PEFT adapter on the HF model and the merged
+@pytest.mark.parametrize("family, targets", [("qwen2", None), ("gemma3", None), ("phi3", None),
+                                             ("phi3", ["*.q_proj", "*.v_proj", "*.up_proj"])],
+                         ids=["qwen2", "gemma3", "phi3", "phi3-some-parts"])
+def test_new_family_adapters_load_in_peft_and_merge_into_a_transformers_model(tmp_path, family, targets):
+    """LoRA on the default targets of a Qwen2 (q/k/v biases beside the adapters), a Gemma 3 (tied,
+    four norms a layer) and a Phi-3 (adapters of q/k/v_proj as one of the checkpoint's qkv_proj, also
+    with some parts only), imported from transformers: the PEFT adapter on the HF model and the merged
     export loaded by transformers give meshtrain's adapted logits."""
     peft = pytest.importorskip("peft")
     import transformers
@@ -402,8 +416,8 @@ def test_new_family_adapters_load_in_peft_and_merge_into_a_transformers_model(tm
 
     hf, directory = hf_dir(tmp_path, family)
     ours = meshtrain_from(directory)
-    lora = PeftConfig(method="lora", rank=4, alpha=8)
-    assert len(add_lora(ours, lora)) == 7 * ours.cfg.num_hidden_layers
+    lora = PeftConfig(method="lora", rank=4, alpha=8, **({"targets": targets} if targets else {}))
+    assert len(add_lora(ours, lora)) == len(lora.targets) * ours.cfg.num_hidden_layers
     init_lora(ours, 0)
     with torch.no_grad():
         for name, p in ours.named_parameters():

@@ -159,7 +159,7 @@ def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype, base: dict | None
     } | family.config_to_hf(cfg)
     legacy = {"rope_theta", "rope_scaling", "torch_dtype", "transformers_version", "_name_or_path"}
     kept = {k: v for k, v in (base or {}).items() if k not in legacy and k not in ours}
-    return {**kept, **ours}
+    return {**family.config_defaults, **kept, **ours}
 
 
 def read_hf_config(directory: str | pathlib.Path) -> dict:

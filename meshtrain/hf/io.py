@@ -32,6 +32,8 @@ from meshtrain.parallel._torch_private import StridedShard
 from meshtrain.config import ModelConfig
 from meshtrain.errors import CheckpointError
 from meshtrain.hf.adapter import DTYPE_NAMES, DTYPES, hf_config_from_model, hf_shapes, to_hf
+from meshtrain.hf.fused import RowStackLoadPlanner, join_parts, parts_for_writing, split_stacks
+from meshtrain.models.family import RowStack
 from meshtrain.models.lora import is_adapter
 from meshtrain.models.transformer import Transformer
 
@@ -186,8 +188,8 @@ def load_hf_weights(parts: list[Transformer], directory: str) -> None:
     cfg = parts[0].cfg
     inspect_hf_dir(directory, hf_shapes(cfg))
     for part in parts:  # the same number of parts on every rank, so the collectives pair up
-        state = _hf_state(part, cfg)
-        dcp.load(state, storage_reader=HuggingFaceStorageReader(directory))
+        state, stacks = split_stacks(_hf_state(part, cfg))
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(directory), planner=RowStackLoadPlanner(stacks))
         part.reset_buffers()
 
 
@@ -198,8 +200,9 @@ def check_finite(parts: list[Transformer], directory: str) -> None:
     checks its own shards; the verdict is the union over ranks. ``meshtrain convert`` copies such
     weights as they are and does not call this."""
     cfg = parts[0].cfg
-    bad = sorted({key for part in parts for key, t in _hf_state(part, cfg).items()
-                  if not torch.isfinite(t.to_local() if isinstance(t, DTensor) else t).all()})
+    bad = sorted({key for part in parts for key, value in _hf_state(part, cfg).items()
+                  if not all(torch.isfinite(t.to_local() if isinstance(t, DTensor) else t).all()
+                             for t in (value.parts.values() if isinstance(value, RowStack) else [value]))})
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
         dist.all_gather_object(gathered, bad)
@@ -279,11 +282,13 @@ def save_hf(parts: list[Transformer], directory: str, dtypes: dict[str, torch.dt
     plan = shard_plan(hf_shapes(cfg), dtypes, max_shard_bytes)
     state = {}
     for part in parts:
-        state.update({k: p.to(dtypes[k]) for k, p in _hf_state(part, cfg).items()})
+        state.update({k: _cast(v, dtypes[k]) for k, v in _hf_state(part, cfg).items()})
+    state, plan, joins = parts_for_writing(state, plan)
     dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(tmp), fqn_to_index_mapping=plan,
                                                             save_distributed=True, enable_consolidation=True))
     if _is_main():
         shutil.rmtree(tmp / "sharded")  # the per-rank pieces, now consolidated
+        join_parts(tmp / INDEX, joins)
         dtype = collections.Counter(dtypes.values()).most_common(1)[0][0]
         (tmp / "config.json").write_text(json.dumps(hf_config_from_model(cfg, dtype, base_config), indent=2) + "\n")
         for name, f in (extra_files or {}).items():
@@ -293,6 +298,12 @@ def save_hf(parts: list[Transformer], directory: str, dtypes: dict[str, torch.dt
         tmp.rename(out)
     _barrier()
     return out
+
+
+def _cast(value, dtype: torch.dtype):
+    if isinstance(value, RowStack):
+        return RowStack({k: v.to(dtype) for k, v in value.parts.items()})
+    return value.to(dtype)
 
 
 def tokenizer_files(source: str | None) -> dict[str, pathlib.Path]:

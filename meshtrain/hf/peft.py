@@ -5,13 +5,19 @@
 Stacked expert adapters [E, ...] are written per expert under the checkpoint's per-expert module
 names (``...mlp.experts.3.gate_proj.lora_A.weight``; Mixtral's ``w1``/``w3``/``w2``), the names
 LoRA on those experts has in PEFT; peft (0.21) converts them on loading for transformers 5's fused
-experts (A concatenated, B block-diagonal over gate and up, rank and alpha doubled)."""
+experts (A concatenated, B block-diagonal over gate and up, rank and alpha doubled).
+
+Adapters of linears the checkpoint fuses (Phi-3's q/k/v_proj in ``qkv_proj``) are written the same
+way, as one adapter of the fused module: A the parts' A stacked, B theirs block-diagonal (zero rows
+for a part without an adapter), rank and alpha times the parts adapted (``rank_pattern`` and
+``alpha_pattern``), so that alpha / rank, and each part's update, are unchanged."""
 
 from __future__ import annotations
 
 import json
 import os
 import pathlib
+import re
 import shutil
 
 import torch
@@ -37,6 +43,41 @@ def peft_tensors(name: str, adapter: torch.Tensor, cfg: ModelConfig) -> dict[str
         suffix = f"{kind}.weight"
     hf = to_hf({weight: adapter}, cfg) or {to_hf_name(weight): adapter}  # a tied output head has no HF weight
     return {f"base_model.model.{key.removesuffix('.weight')}.{suffix}": value for key, value in hf.items()}
+
+
+_LAYER_ADAPTER = re.compile(r"(layers\.\d+)\.(.+)\.([^.]+)")
+
+
+def fuse_adapters(adapters: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """The adapters with those of a fused module's parts as one adapter of it, and each such HF
+    module -> how many parts' adapters it holds."""
+    family = cfg.definition
+    owner = {part: fused for fused, parts in family.fused.items() for part in parts}
+    out, groups = {}, {}
+    for name, tensor in adapters.items():
+        m = _LAYER_ADAPTER.fullmatch(name)
+        if m is not None and m[2] in owner:  # layers.N, the part (self_attn.q_proj), lora_A/lora_B/magnitude
+            groups.setdefault((m[1], owner[m[2]]), {}).setdefault(m[2], {})[m[3]] = tensor
+        else:
+            out[name] = tensor
+    counts = {}
+    for (layer, fused), adapted in groups.items():
+        parts = family.fused[fused]
+        rank = next(iter(adapted.values()))["lora_A"].shape[0]
+        a = [adapted[p]["lora_A"] for p in parts if p in adapted]
+        b = torch.zeros(sum(family.part_rows(cfg, p) for p in parts), rank * len(a))
+        row, column = 0, 0
+        for part in parts:
+            rows = family.part_rows(cfg, part)
+            if part in adapted:
+                b[row:row + rows, column:column + rank] = adapted[part]["lora_B"]
+                column += rank
+            row += rows
+        out[f"{layer}.{fused}.lora_A"], out[f"{layer}.{fused}.lora_B"] = torch.cat(a), b
+        if any(MAGNITUDE in tensors for tensors in adapted.values()):  # check_lora: every part adapted
+            out[f"{layer}.{fused}.{MAGNITUDE}"] = torch.cat([adapted[p][MAGNITUDE] for p in parts])
+        counts[f"model.{layer}.{fused}"] = len(a)
+    return out, counts
 
 
 def peft_targets(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[list[str], list[str]]:
@@ -74,9 +115,11 @@ def save_peft_adapter(parts: list[torch.nn.Module], directory: str, cfg: PeftCon
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
     if not dist.is_initialized() or dist.get_rank() == 0:
-        tensors = {key: t.to(dtype, copy=True) for part in every for n, adapter in part.items()
+        adapters, stacked = fuse_adapters({n: t for part in every for n, t in part.items()}, model_cfg)
+        tensors = {key: t.to(dtype, copy=True) for n, adapter in adapters.items()
                    for key, t in peft_tensors(n, adapter, model_cfg).items()}
         modules, parameters = peft_targets(tensors, model_cfg)
+        patterns = {re.escape(module): count for module, count in stacked.items() if count > 1}
         tmp = out.with_name(out.name + INCOMPLETE)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -84,6 +127,8 @@ def save_peft_adapter(parts: list[torch.nn.Module], directory: str, cfg: PeftCon
         (tmp / "adapter_config.json").write_text(json.dumps({
             "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
             "lora_dropout": cfg.dropout, "target_modules": modules, **({"target_parameters": parameters} if parameters else {}),
+            **({"rank_pattern": {k: cfg.rank * n for k, n in patterns.items()},
+                "alpha_pattern": {k: cfg.alpha * n for k, n in patterns.items()}} if patterns else {}),
             "bias": "none", "fan_in_fan_out": False,
             "use_dora": cfg.method == "dora",
             "base_model_name_or_path": os.path.abspath(base) if base else None, "inference_mode": True,

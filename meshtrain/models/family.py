@@ -11,8 +11,9 @@ kind of block writes that block and its plan.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 from torch import nn
@@ -33,6 +34,15 @@ class ExpertNames:
     block: str = "mlp"
     names: dict[str, str] = field(default_factory=lambda: {"gate_proj": "gate_proj", "up_proj": "up_proj",
                                                            "down_proj": "down_proj"})
+
+
+@dataclass(frozen=True)
+class RowStack(Generic[T]):
+    """One Hugging Face tensor that is several of meshtrain's weights stacked by rows (Phi-3's
+    ``qkv_proj`` = [q; k; v]): each part's own HF-style name and value, in row order. ``hf/fused.py``
+    reads and writes each rank's shards of the parts as row ranges of the one tensor."""
+
+    parts: dict[str, T]
 
 
 class Family:
@@ -58,6 +68,13 @@ class Family:
     """Set for a mixture-of-experts family: how its checkpoint names the experts."""
     topk_always_normalized: bool = False
     """The top-k routing weights sum to one whatever ``norm_topk_prob`` says (Mixtral)."""
+    config_defaults: dict[str, Any] = {}
+    """config.json keys written when the checkpoint the weights came from has none (a model trained
+    from scratch), where the transformers config class's own default would not fit the model."""
+    fused: dict[str, tuple[str, ...]] = {}
+    """Checkpoint modules that hold several of meshtrain's linears stacked by output rows, by their
+    names in a layer -> the linears', in row order (Phi-3: ``self_attn.qkv_proj`` is q/k/v_proj).
+    meshtrain keeps the linears apart, so tensor parallelism splits each by heads or by half."""
     unsupported: dict[str, Any] = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
     """config.json keys whose value must be this one (the default when absent) for meshtrain's
     blocks to compute what transformers computes; another value is an error naming the key."""
@@ -139,9 +156,10 @@ class Family:
     def to_hf(self, state_dict: dict[str, T], cfg: ModelConfig) -> dict[str, T]:
         """meshtrain names -> HF names (values are tensors, or shapes). A tied output projection is
         not written (HF omits it too), or, without the embedding beside it (a pipeline's last
-        stage), is the embedding; stacked experts become HF's per-expert tensors (views)."""
+        stage), is the embedding; stacked experts become HF's per-expert tensors (views), and the
+        linears of a fused tensor one ``RowStack`` (a stacked shape, for shapes)."""
         out: dict[str, T] = {}
-        for name, value in state_dict.items():
+        for name, value in self._stack_fused(state_dict).items():
             if cfg.tie_word_embeddings and name == LM_HEAD:
                 if "embed_tokens.weight" in state_dict:
                     continue
@@ -159,8 +177,39 @@ class Family:
             out[LM_HEAD if name == LM_HEAD else f"model.{name}"] = value
         return out
 
+    def _stack_fused(self, state_dict: dict[str, T]) -> dict[str, Any]:
+        """The parts of each fused tensor as one entry where the first stood: shapes become the
+        stacked shape, values a ``RowStack``. A state dict with some parts only (one weight's name
+        asked) gives the fused name with those parts."""
+        if not self.fused:
+            return state_dict
+        owner = {part: fused for fused, parts in self.fused.items() for part in parts}
+        out: dict[str, Any] = {}
+        stacks: dict[str, dict[str, T]] = {}
+        for name, value in state_dict.items():
+            m = _LAYER_WEIGHT.fullmatch(name)
+            if m is None or m[2] not in owner:
+                out[name] = value
+                continue
+            key = f"{m[1]}.{owner[m[2]]}.weight"
+            out.setdefault(key, None)
+            stacks.setdefault(key, {})[f"model.{name}"] = value
+        for key, parts in stacks.items():
+            values = list(parts.values())
+            if all(isinstance(v, torch.Size) for v in values):
+                out[key] = torch.Size([sum(v[0] for v in values), *values[0][1:]])
+            else:
+                out[key] = RowStack(parts)
+        return out
+
+    def part_rows(self, cfg: ModelConfig, part: str) -> int:
+        """The rows of linear ``part`` (``self_attn.k_proj``...) in a fused tensor."""
+        heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads, "v_proj": cfg.num_key_value_heads}
+        leaf = part.rsplit(".", 1)[-1]
+        return heads[leaf] * cfg.resolved_head_dim if leaf in heads else cfg.intermediate_size
+
     def from_hf(self, hf_state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-        """HF names -> meshtrain names; per-expert tensors are stacked (copies)."""
+        """HF names -> meshtrain names; per-expert tensors are stacked (copies), fused ones split (views)."""
         out: dict[str, torch.Tensor] = {}
         experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
         block = self.experts.block if self.experts else "mlp"
@@ -169,6 +218,12 @@ class Family:
             if key != LM_HEAD and not key.startswith("model."):
                 raise KeyError(key)
             name = key.removeprefix("model.")
+            m = _LAYER_WEIGHT.fullmatch(name)
+            if m is not None and m[2] in self.fused:
+                parts = self.fused[m[2]]
+                for part, rows in zip(parts, value.split([self.part_rows(cfg, p) for p in parts])):
+                    out[f"{m[1]}.{part}.weight"] = rows
+                continue
             if self.experts is not None and f".{block}.experts." in name:
                 prefix, rest = name.split(f".{block}.experts.", 1)
                 index, hf_kind, _ = rest.split(".")
@@ -191,6 +246,7 @@ class Family:
 
 
 LM_HEAD = "lm_head.weight"
+_LAYER_WEIGHT = re.compile(r"(layers\.\d+)\.(.+)\.weight")
 OPTIONAL_SETTINGS = frozenset({"sliding_window", "layer_types", "local_rope_theta", "query_pre_attn_scalar",
                                "attn_logit_softcapping", "final_logit_softcapping"})
 """ModelConfig fields only some families have."""

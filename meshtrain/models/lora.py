@@ -248,6 +248,17 @@ def check_lora(cfg: PeftConfig, model: nn.Module) -> None:
                           "support with DoRA. Fix: target the attention projections only ('*.self_attn.*'), use "
                           "peft.method=lora, or leave peft.export_adapter unset (checkpoint.export_hf still writes "
                           "the merged model)")
+    if cfg.method == "dora" and cfg.export_adapter:
+        for fused, parts in model.cfg.definition.fused.items():
+            for layer in {t.split(".")[1] for t in targets if t.startswith("layers.")}:
+                have = [p for p in parts if f"layers.{layer}.{p}" in targets]
+                if have and len(have) < len(parts):
+                    raise ConfigError(
+                        f"peft.method=dora with peft.export_adapter and peft.targets={cfg.targets}, which adapt "
+                        f"layers.{layer}.{have[0]} but not all of {', '.join(parts)}: the checkpoint holds them as one "
+                        f"{fused.rsplit('.', 1)[-1]}, and a DoRA adapter of it rescales every row. Fix: target all of "
+                        f"{', '.join('*.' + p.rsplit('.', 1)[-1] for p in parts)}, use peft.method=lora, or leave "
+                        "peft.export_adapter unset (checkpoint.export_hf still writes the merged model)")
     if cfg.export_adapter and len(experts & {"gate_proj", "up_proj"}) == 1:
         raise ConfigError(f"peft.targets={cfg.targets} adapt the experts' {experts & {'gate_proj', 'up_proj'}} "
                           "without the other, but peft.export_adapter is set and peft loads expert adapters onto "
