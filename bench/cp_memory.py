@@ -48,7 +48,7 @@ def worker(args: argparse.Namespace) -> None:
     from meshtrain.parallel.layout import plan_layout
     from meshtrain.parallel.mesh import build_mesh
     from meshtrain.parallel.parallelize import build_model
-    from meshtrain.trainer import cross_entropy
+    import torch.nn.functional as F
 
     cfg = job_config(args, args.cp)
     runtime = init_distributed(cfg.parallel.timeout_s)
@@ -77,7 +77,7 @@ def worker(args: argparse.Namespace) -> None:
         with sequence_sharded(mesh, [inputs, labels], [model], cfg.parallel.cp_rotate_method):
             skip |= {storage(t) for t in model.buffers()}  # the sharded RoPE rows
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                loss = cross_entropy(model(inputs), labels)
+                loss = F.cross_entropy(model(inputs).flatten(0, 1).float(), labels.flatten())
             tokens_here = inputs.shape[1]
             loss.backward()
         elapsed = time.perf_counter() - start

@@ -80,7 +80,7 @@ def worker(args: argparse.Namespace) -> None:
         mesh = build_mesh(plan_layout(cfg, runtime.world_size), runtime.device.type)
         trainer = Trainer(cfg, runtime, mesh)
         pipeline = trainer.pipeline
-        inner_step = pipeline.step
+        inner_step = pipeline.run
         pipelined = [0.0]
 
         def timed_step(*a, **kw):
@@ -89,7 +89,7 @@ def worker(args: argparse.Namespace) -> None:
             out = inner_step(*a, **kw)
             pipelined[0] += time.perf_counter() - start
             return out
-        pipeline.step = timed_step
+        pipeline.run = timed_step
 
         rows = []
         for step in range(args.warmup + args.steps):

@@ -105,17 +105,21 @@ class DataConfig:
     """Field holding the text in jsonl/parquet records."""
     tokenizer: str = "byte"
     """"byte" (UTF-8 bytes, no files needed) or the path of a Hugging Face tokenizer.json."""
-    format: Literal["pretrain", "chat", "prompt_response"] = "pretrain"
+    format: Literal["pretrain", "chat", "prompt_response", "preference"] = "pretrain"
     """pretrain: documents packed back to back, every token a target. chat: jsonl/parquet records
     with `messages` ([{role, content}, ...]) rendered by the tokenizer's chat template;
     prompt_response: records with `prompt` and `response`. Both SFT formats train on the assistant
-    (response) tokens only, each conversation packed whole and attended to on its own."""
+    (response) tokens only, each conversation packed whole and attended to on its own. preference:
+    records with `prompt`, `chosen` and `rejected` (strings, or chat messages) for a preference
+    objective (objective.kind dpo and the rest)."""
     chat_template: str | None = None
     """The chat template: a tokenizer_config.json, or a .jinja file. Default: the tokenizer_config.json
     beside data.tokenizer."""
     messages_field: str = "messages"
     prompt_field: str = "prompt"
     response_field: str = "response"
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
     overlong: Literal["truncate", "drop"] = "truncate"
     """SFT conversations longer than train.seq_len + 1 tokens: cut (truncate) or skip (drop); counted in the log."""
     special_text_in_content: Literal["special", "text"] = "special"
@@ -269,6 +273,28 @@ class PeftConfig:
 
 
 @dataclass
+class PreferenceConfig:
+    """Preference training, the objective of data.format=preference: a loss over pairs of a chosen and
+    a rejected response to one prompt, measured against a frozen reference model (the base with the
+    adapters off under peft, else a frozen copy of the starting weights)."""
+
+    loss: Literal["dpo", "ipo", "hinge", "simpo"] = "dpo"
+    """dpo: -log sigmoid(beta * m), m = (chosen's log-ratio to the reference) - (rejected's), summed
+    log-probs (Rafailov et al. 2023; with label_smoothing, conservative DPO). ipo: (m' - 1/(2 beta))^2,
+    m' from per-token mean log-probs (Azar et al. 2023). hinge: max(0, 1 - beta * m) (SLiC). simpo:
+    no reference, -log sigmoid(beta * (mean token log-prob of chosen - of rejected) - simpo_gamma)
+    (Meng et al. 2024)."""
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    """dpo and simpo: the probability that a pair's labels are flipped (the loss is then
+    -(1-e) log sigmoid(x) - e log sigmoid(-x))."""
+    simpo_gamma: float = 0.5
+    """simpo: the target margin gamma."""
+    nll_weight: float = 0.0
+    """RPO (Pang et al. 2024): plus this times the chosen response's mean token negative log-likelihood."""
+
+
+@dataclass
 class EvalConfig:
     """Validation: the loss on held-out data every few steps, without touching training's state."""
 
@@ -295,6 +321,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)

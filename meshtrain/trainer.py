@@ -17,18 +17,18 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import Subset
 
 from meshtrain.checkpoint.checkpointer import Checkpointer
 from meshtrain.config import JobConfig
 from meshtrain.config_files import to_dict
+from meshtrain.data.batch import Batch
 from meshtrain.data.loader import BatchStream
 from meshtrain.data.sources import end_of_document_id, training_dataset
 from meshtrain.errors import ConfigError, TrainingError
 from meshtrain.evaluation import Evaluator
+from meshtrain.micro_batches import run_micro_batches
+from meshtrain.objectives import build_objective
 from meshtrain.hf.adapter import read_hf_config
 from meshtrain.hf.peft import save_peft_adapter
 from meshtrain.hf.io import check_finite, export_dtypes, load_hf_weights, save_hf, tokenizer_files
@@ -41,7 +41,6 @@ from meshtrain.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from meshtrain.parallel.context import sequence_sharded
 from meshtrain.parallel._torch_private import compiled_graph_count
 from meshtrain.parallel.expert import expert_parameters
-from meshtrain.parallel.fsdp import before_micro_batch
 from meshtrain.parallel.layout import resolve_schedule
 from meshtrain.parallel.mesh import ParallelMesh
 from meshtrain.parallel.parallelize import build_model, float8_all_gather
@@ -54,32 +53,13 @@ from meshtrain.telemetry.metrics import MetricsLogger, flops_per_token, memory_g
 from meshtrain.telemetry.profiling import MemorySnapshots, PhaseClock, format_phases, trace_path, trace_window
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The mean over the target tokens (labels other than -100)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-
-
-class StepLoss:
-    """A micro-batch's share of the step's loss: its summed token cross-entropy over the number of
-    target tokens in the whole step (every micro-batch, every dp rank), so micro-batches with more
-    targets weigh more (what SFT's masked labels need; with every token a target it is the plain
-    mean). ``scale`` also undoes the averaging that follows: FSDP's over dp x cp, the pipeline
-    schedule's over micro-batches."""
-
-    def __init__(self):
-        self.scale = 1.0
-
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") * self.scale
-
-
 class Trainer:
     def __init__(self, cfg: JobConfig, runtime: Runtime, mesh: ParallelMesh):
         self.cfg, self.runtime, self.mesh = cfg, runtime, mesh
         self.run_dir = pathlib.Path(cfg.train.run_dir)
         self.step = 0
         self.stream = self._build_data()
-        self.loss_fn = StepLoss()
+        self.objective = build_objective(cfg)
         torch.manual_seed(cfg.train.seed)
         self.parts, self.pipeline = self._build_model_parts()
         self.params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
@@ -96,6 +76,7 @@ class Trainer:
         self.checkpointer, self.resumed_from = self._restore_checkpoint()
         self.moe_layers, self.tp_summed_params = self._setup_moe()
         self.loss_parallel = mesh.size("tp") > 1 and cfg.parallel.loss_parallel
+        self.objective.attach(self)  # the weights are in place: a preference loss's reference is built from them
         self.num_params = count_parameters(cfg.model)
         self.active_params = count_active_parameters(cfg.model) if cfg.model.is_moe else self.num_params
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len, self.active_params)
@@ -138,7 +119,8 @@ class Trainer:
         if d.document_mask == "off":
             return None, "document masking off"
         if d.format != "pretrain":
-            return None, "document masking on: each conversation attends to itself"
+            return None, f"document masking on: each {'sequence' if d.format == 'preference' else 'conversation'} " \
+                         "attends to itself"
         eos = end_of_document_id(d)
         if eos is None:
             if d.document_mask == "on":
@@ -158,7 +140,7 @@ class Trainer:
         stage_ids = stage_ids_for_rank(mesh["pp"].get_local_rank(), mesh.size("pp"), cfg.parallel.vpp, schedule)
         parts = [build_model(cfg, mesh, device, stage=s, initialize=from_scratch) for s in stage_ids]
         pipeline = Pipeline(parts, stage_ids, mesh.size("pp") * cfg.parallel.vpp, mesh["pp"], device, schedule,
-                            self.stream.accum, self.loss_fn)
+                            self.stream.accum, self.objective)
         return parts, pipeline
 
     def _restore_checkpoint(self) -> tuple[Checkpointer, pathlib.Path | None]:
@@ -190,29 +172,10 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         t, device = self.cfg.train, self.runtime.device
         start = time.perf_counter()
-        batches = self.stream.next_step()
-        self._scale_step_loss(batches)
+        batches = [Batch.of(b) for b in self.stream.next_step()]
         self.clock.mark("data")
-        with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
-            if self.pipeline is not None:
-                inputs, labels, *documents = (torch.cat(x).to(device) for x in zip(*batches))
-                with self.sharded(inputs, labels, *documents) as document_ids:
-                    step_loss = self.pipeline.step(inputs, labels, document_ids)
-            else:
-                step_loss = torch.zeros((), device=device)
-                (model,) = self.parts
-                for i, (inputs, labels, *documents) in enumerate(batches):
-                    before_micro_batch(model, self.cfg.parallel.fsdp_accumulate, last=i == len(batches) - 1)
-                    inputs, labels = inputs.to(device), labels.to(device)
-                    with self.sharded(inputs, labels, *documents) as document_ids:
-                        loss = self.loss_fn(model(inputs, document_ids), labels)
-                        loss.backward()
-                    step_loss += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
-        dp_cp = self.mesh["dp_cp"]
-        if dp_cp.size() > 1:
-            dist.all_reduce(step_loss, group=dp_cp.get_group())
-            step_loss /= dp_cp.size()
-        loss_value = step_loss.item()
+        step_metrics = self.objective.metrics(run_micro_batches(self, batches, training=True), training=True)
+        loss_value = step_metrics["loss"]
         self.clock.mark("forward_backward")
         self.step += 1
         if not math.isfinite(loss_value):
@@ -247,44 +210,29 @@ class Trainer:
         elapsed = time.perf_counter() - start
         tokens_per_s = t.global_batch_size * t.seq_len / elapsed
         tflops = tokens_per_s * self.flops_per_token / self.mesh.world.size() / 1e12
-        metrics = {"loss": loss_value, "grad_norm": grad_norm, "lr": lr, "tokens_per_s": tokens_per_s,
+        metrics = step_metrics | {"grad_norm": grad_norm, "lr": lr, "tokens_per_s": tokens_per_s,
                    "tflops_per_device": tflops, "step_time_s": elapsed, "memory_gib": memory_gib(device)}
         if self.peak_tflops:
             metrics["mfu"] = tflops / self.peak_tflops
         return metrics | expert_metrics
 
-    def _scale_step_loss(self, batches) -> None:
-        targets = sum(int((labels != -100).sum()) for _, labels, *_ in batches)
-        dp = self.mesh["dp"]
-        if self.cfg.data.format == "pretrain":  # every token a target, the same number on every dp rank
-            targets *= dp.size()
-        elif dp.size() > 1:  # cp ranks hold the same sequences: count them once
-            total = torch.tensor(targets, dtype=torch.int64, device=self.runtime.device)
-            dist.all_reduce(total, group=dp.get_group())
-            targets = int(total)
-        if targets == 0:
-            raise TrainingError(f"step {self.step + 1} has no target tokens (every label is -100): its conversations' "
-                                "responses were cut off by train.seq_len, or they have none. Fix: raise train.seq_len "
-                                "or use data.overlong=drop; drop conversations without an assistant turn")
-        per_microbatch = self.stream.accum if self.pipeline is not None else 1
-        self.loss_fn.scale = self.mesh.size("dp_cp") * per_microbatch / targets
-
     @contextlib.contextmanager
-    def sharded(self, inputs: torch.Tensor, labels: torch.Tensor,
-                documents: torch.Tensor | None = None) -> Iterator[torch.Tensor | None]:
-        """Within: the batch as this rank computes on it (its share of the sequence under cp), and its
-        document ids when attention is document-masked (else None): ``documents`` as the data gives
-        them (SFT's conversations), or found from EOS."""
-        if documents is not None:
-            ids = documents.to(inputs.device) if self.cfg.data.document_mask != "off" else None
+    def sharded(self, batch: Batch, target: torch.Tensor, parts: list[torch.nn.Module]) -> Iterator[torch.Tensor | None]:
+        """Within: the batch's inputs and the objective's target as this rank computes on them (its
+        share of the sequence under cp, and so the RoPE tables of the model ``parts``), and the
+        document ids when attention is document-masked (else None): the batch's own (SFT's
+        conversations, preference pairs' sequences), or found from EOS."""
+        inputs = batch.inputs
+        if batch.documents is not None:
+            ids = batch.documents if self.cfg.data.document_mask != "off" else None
         else:
             ids = document_ids(inputs, self.document_eos) if self.document_eos is not None else None
         if ids is not None and not bool(ids[:, -1].any()):  # one document per sample: plain causal attention
             ids = None  # (every rank of a cp or pp group holds the same batch here, so they agree)
         if ids is None and self.masked_cp:  # a window shorter than the sequence, soft-capping: cp's masked route
             ids = torch.zeros_like(inputs, dtype=torch.int32)
-        batch = [inputs, labels] if ids is None else [inputs, labels, ids]
-        with sequence_sharded(self.mesh, batch, self.parts, self.cfg.parallel.cp_rotate_method,
+        tensors = [inputs, target] if ids is None else [inputs, target, ids]
+        with sequence_sharded(self.mesh, tensors, parts, self.cfg.parallel.cp_rotate_method,
                               documents=ids is not None):
             yield ids
 

@@ -10,9 +10,10 @@ ZeroDivisionError, a negative tokens/s or a loss of 0.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
-from meshtrain.config import JobConfig
+from meshtrain.config import JobConfig, PreferenceConfig
 from meshtrain.errors import ConfigError
 
 Rule = tuple[str, Callable[[Any], bool], str, str]
@@ -79,6 +80,9 @@ RULES: list[Rule] = [
     _positive("peft.rank", "use e.g. 16"),
     _above_zero("peft.alpha", "use e.g. 2 x peft.rank"),
     ("peft.dropout", lambda v: 0 <= v < 1, "must be in [0, 1)", "use 0, or e.g. 0.05"),
+    _above_zero("preference.beta", "use e.g. 0.1"),
+    ("preference.label_smoothing", lambda v: 0 <= v < 0.5, "must be in [0, 0.5)", "use 0, or e.g. 0.1"),
+    _non_negative("preference.nll_weight", "use 0, or e.g. 1.0 for RPO"),
     _non_negative("checkpoint.interval", "use 0 to save nothing"),
     _non_negative("checkpoint.keep_last", "use 0 to keep all"),
     _above_zero("checkpoint.hf_max_shard_gb", "use e.g. 5"),
@@ -121,9 +125,18 @@ def check_ranges(cfg: JobConfig) -> None:
     if cfg.peft.export_adapter and not cfg.peft.adapters:
         raise ConfigError(f"peft.export_adapter={cfg.peft.export_adapter} with peft.method=none: there are no adapters "
                           "to export. Fix: set peft.method=lora (or dora), or drop peft.export_adapter")
-    if cfg.data.chat_template and cfg.data.format != "chat":
+    if cfg.data.chat_template and cfg.data.format not in ("chat", "preference"):
         raise ConfigError(f"data.chat_template={cfg.data.chat_template} with data.format={cfg.data.format}: only chat "
                           "data is rendered through a template. Fix: set data.format=chat, or drop data.chat_template")
+    if cfg.data.format == "preference" and cfg.data.document_mask == "off":
+        raise ConfigError("data.document_mask=off with data.format=preference: a pair's chosen and rejected sequences "
+                          "share a sample, and each must attend to itself only. Fix: drop data.document_mask (auto)")
+    if cfg.preference != PreferenceConfig() and cfg.data.format != "preference":
+        changed = next(f.name for f in dataclasses.fields(PreferenceConfig)
+                       if getattr(cfg.preference, f.name) != getattr(PreferenceConfig(), f.name))
+        raise ConfigError(f"preference.{changed}={getattr(cfg.preference, changed)!r} with data.format={cfg.data.format}: "
+                          "the preference section sets the loss of preference pairs. Fix: set data.format=preference "
+                          f"(records with prompt / chosen / rejected), or drop preference.{changed}")
     if e.interval and not e.data and not e.split:
         raise ConfigError(f"eval.interval={e.interval} needs held-out data. Fix: set eval.data to a held-out "
                           "dataset, or eval.split to the fraction of the training samples to hold out (e.g. 0.01)")

@@ -115,6 +115,10 @@ def test_every_bundled_config_loads():
      r"eval.split=0.1 with data.blend: a blend repeats its smaller datasets.*Fix: give held-out data as eval.data"),
     (["--data.chat-template", "t.jinja"],
      r"data.chat_template=t.jinja with data.format=pretrain: only chat data.*Fix: set data.format=chat"),
+    (["--preference.beta", "0.3"],
+     r"preference.beta=0.3 with data.format=pretrain: the preference section sets the loss of preference pairs"),
+    (["--data.format", "preference", "--data.document-mask", "off"],
+     r"data.document_mask=off with data.format=preference: a pair's chosen and rejected sequences share a sample"),
 ])
 def test_options_that_would_do_nothing_beside_another_are_errors_naming_both(options, message):
     from meshtrain.validation import check_ranges

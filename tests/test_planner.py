@@ -291,6 +291,17 @@ def test_lora_plans_gradients_and_optimizer_state_for_the_adapters_only(capsys):
         resolve(PlanConfig(params="8b", lora_rank=8, lora_targets=["*.qproj"]))
 
 
+def test_preference_training_plans_the_frozen_reference_copy_unless_lora_switches_adapters_off(capsys):
+    sizes = Sizes(world=8, tp=2, sp=True, stage_layers=(32,))
+    cfg, s = resolve(PlanConfig(params="8b", preference=True))
+    plain, dpo = (estimate(shape, sizes, cfg, "1F1B", 1, "none") for shape in (dataclasses.replace(s, reference_copy=False), s))
+    assert dpo.total - plain.total == dpo.weights  # one more copy of the weights, sharded alike; no grads or moments
+    cfg, lora = resolve(PlanConfig(params="8b", preference=True, lora_rank=16))
+    assert not lora.reference_copy  # the base with the adapters off is the reference
+    main(["plan", "--params", "8b", "--gpus", "8", "--preference", "True"])
+    assert "reference copy, frozen (4 B/param)" in capsys.readouterr().out
+
+
 # ---- per-rank bytes vs the trainer -------------------------------------------------------------
 
 LAYOUTS = {

@@ -197,7 +197,7 @@ def test_conversations_are_packed_whole_and_padded(tmp_path):
 def test_the_step_loss_is_the_mean_over_all_its_targets_by_hand():
     """Two micro-batches with 3 and 1 targets: the step loss weighs each target once, unlike the mean
     of the micro-batch means."""
-    from meshtrain.trainer import StepLoss
+    from meshtrain.objectives.cross_entropy import TokenCrossEntropy as StepLoss
 
     g = torch.Generator().manual_seed(0)
     logits = [torch.randn(1, 4, 10, generator=g) for _ in range(2)]

@@ -8,26 +8,22 @@ targets.
 
 Tokens are targets where their first character lies in an assistant span (the tokenizer's
 offsets), so the labels are -100 everywhere else. Conversations are packed whole into samples of
-seq_len + 1 tokens, first fit in order, the rest of a sample padded (pad tokens are a document of
-their own and never targets); each carries its document ids, so attention never crosses from one
-conversation into another. Longer conversations are truncated or dropped (``data.overlong``).
+seq_len + 1 tokens (``data/packing.py``: first fit in order, pads a document of their own and never
+targets), each with its document ids, so attention never crosses from one conversation into
+another. Longer conversations are truncated or dropped (``data.overlong``).
 """
 
 from __future__ import annotations
 
-from typing import Iterator
-
-import torch
-from torch.utils.data import Dataset
+from collections.abc import Iterable, Iterator
 
 from meshtrain.config import DataConfig
 from meshtrain.data.chat_template import (compile_template, load_chat_template, render_chat, with_reasoning_aliases,
                                            written_contents)
+from meshtrain.data.packing import IGNORE, PackedUnits, Sequence
 from meshtrain.data.text import records
 from meshtrain.data.tokenizer import Tokenizer
 from meshtrain.errors import DataError
-
-IGNORE = -100
 
 
 def tokenize_spans(tokenizer: Tokenizer, text: str, spans: list[tuple[int, int]],
@@ -37,32 +33,52 @@ def tokenize_spans(tokenizer: Tokenizer, text: str, spans: list[tuple[int, int]]
     return ids, targets
 
 
+class ChatRenderer:
+    """The chat template, compiled once: conversations into (token ids, target flags)."""
+
+    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer):
+        template, self.special = load_chat_template(cfg)
+        self.compiled = compile_template(template)
+        self.turn_ends = tokenizer.special_tokens | {v for v in self.special.values() if v}  # a frozenset: its pattern is cached
+        self.tokenizer, self.literal = tokenizer, cfg.special_text_in_content == "text"
+
+    def __call__(self, messages: list[dict], tools: list | None = None, last_turns: int | None = None) -> Sequence:
+        """The conversation's tokens, its assistant turns the targets (``last_turns``: the last so
+        many of them only)."""
+        text, spans = render_chat(self.compiled, messages, self.special, self.turn_ends, tools)
+        if last_turns is not None:
+            if len(spans) < last_turns:
+                raise DataError(f"the chat template's render holds {len(spans)} assistant turn(s), not the "
+                                f"{last_turns} of the response")
+            spans = spans[len(spans) - last_turns:]
+        literal = written_contents(text, with_reasoning_aliases(messages)) if self.literal else ()
+        return tokenize_spans(self.tokenizer, text, spans, literal)
+
+
+def completion(tokenizer: Tokenizer, prompt: str, response: str) -> Sequence:
+    """prompt + response + EOS, the response and the EOS the targets."""
+    ids, targets = tokenize_spans(tokenizer, prompt + response, [(len(prompt), len(prompt + response))])
+    if tokenizer.eos_id is not None:  # learn to stop
+        ids, targets = ids + [tokenizer.eos_id], targets + [True]
+    return ids, targets
+
+
 def examples(cfg: DataConfig, path: str, tokenizer: Tokenizer,
-             skipped: list[str] | None = None) -> Iterator[tuple[list[int], list[bool]]]:
+             skipped: list[str] | None = None) -> Iterator[Sequence]:
     """(token ids, target flags) of every conversation under ``path``. A record that cannot be
     rendered raises a DataError naming it, or with ``data.bad_records=skip`` is left out and its
     reason appended to ``skipped``."""
-    if cfg.format == "chat":
-        template, special = load_chat_template(cfg)
-        compiled = compile_template(template)
-        turn_ends = tokenizer.special_tokens | {v for v in special.values() if v}  # a frozenset: its pattern is cached
+    render = ChatRenderer(cfg, tokenizer) if cfg.format == "chat" else None
     for where, record in records(path):
         try:
-            if cfg.format == "chat":
-                messages = chat_messages(record, cfg.messages_field)
-                rendered = render_chat(compiled, messages, special, turn_ends, record.get("tools"))
-                literal = written_contents(rendered[0], with_reasoning_aliases(messages)) \
-                    if cfg.special_text_in_content == "text" else ()
-                yield tokenize_spans(tokenizer, *rendered, literal)
+            if render is not None:
+                yield render(chat_messages(record, cfg.messages_field), record.get("tools"))
             else:
                 prompt, response = record.get(cfg.prompt_field), record.get(cfg.response_field)
                 if not isinstance(prompt, str) or not isinstance(response, str):
                     raise DataError(f"no string fields {cfg.prompt_field!r} and {cfg.response_field!r}; set "
                                     "data.prompt_field / data.response_field")
-                ids, targets = tokenize_spans(tokenizer, prompt + response, [(len(prompt), len(prompt + response))])
-                if tokenizer.eos_id is not None:  # learn to stop
-                    ids, targets = ids + [tokenizer.eos_id], targets + [True]
-                yield ids, targets
+                yield completion(tokenizer, prompt, response)
         except DataError as e:
             if cfg.bad_records == "skip" and skipped is not None:
                 skipped.append(f"{where}: {e}")
@@ -101,49 +117,15 @@ def chat_messages(record: dict, field: str) -> list[dict]:
     return plain
 
 
-class PackedConversations(Dataset):
+class PackedConversations(PackedUnits):
     """Sample i: (inputs, labels, document ids), seq_len tokens each, of whole conversations."""
 
-    def __init__(self, conversations, seq_len: int, pad_id: int, overlong: str):
-        width = seq_len + 1
-        tokens, targets, documents = [], [], []
-        row_tokens, row_targets, row_docs = [], [], []
-        self.truncated = self.dropped = self.conversations = self.without_targets = 0
+    def __init__(self, conversations: Iterable[Sequence], seq_len: int, pad_id: int, overlong: str):
+        super().__init__(([c] for c in conversations), seq_len, pad_id, overlong)
 
-        def close_row():
-            pad = width - len(row_tokens)
-            tokens.append(row_tokens + [pad_id] * pad)
-            targets.append(row_targets + [False] * pad)
-            documents.append(row_docs + [(row_docs[-1] + 1) if row_docs else 0] * pad)
-
-        for ids, flags in conversations:
-            self.without_targets += not any(flags)
-            if len(ids) > width:
-                if overlong == "drop":
-                    self.dropped += 1
-                    continue
-                ids, flags = ids[:width], flags[:width]
-                self.truncated += 1
-            if len(row_tokens) + len(ids) > width:
-                close_row()
-                row_tokens, row_targets, row_docs = [], [], []
-            doc = (row_docs[-1] + 1) if row_docs else 0
-            row_tokens, row_targets, row_docs = row_tokens + ids, row_targets + flags, row_docs + [doc] * len(ids)
-            self.conversations += 1
-        if row_tokens:
-            close_row()
-        self.tokens = torch.tensor(tokens, dtype=torch.int64).reshape(-1, width)
-        self.targets = torch.tensor(targets, dtype=torch.bool).reshape(-1, width)
-        self.documents = torch.tensor(documents, dtype=torch.int32).reshape(-1, width)
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        chunk, docs = self.tokens[i], self.documents[i]
-        # a target only inside its own conversation: never the first token of the next one
-        keep = self.targets[i][1:] & (docs[1:] == docs[:-1])
-        return chunk[:-1], torch.where(keep, chunk[1:], IGNORE), docs[:-1]
+    @property
+    def conversations(self) -> int:
+        return self.units
 
 
 def sft_dataset(cfg: DataConfig, path: str, tokenizer: Tokenizer, seq_len: int) -> tuple[PackedConversations, str]:

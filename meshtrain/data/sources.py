@@ -17,6 +17,7 @@ from meshtrain.config import DataConfig, TrainConfig
 from meshtrain.data.blend import BlendedDataset, parse_blend
 from meshtrain.data.indexed import IndexedDataset, is_indexed, prepared_metadata
 from meshtrain.data.loader import PackedDataset
+from meshtrain.data.preference import preference_dataset
 from meshtrain.data.sft import sft_dataset
 from meshtrain.data.text import tokenize_corpus
 from meshtrain.data.tokenizer import build_tokenizer
@@ -55,7 +56,8 @@ def training_dataset(cfg: DataConfig, train: TrainConfig, model_vocab: int, fix:
         if cfg.blend:
             raise ConfigError(f"data.blend with data.format={cfg.format} is not supported: blend pretraining data, "
                               "or give SFT data as one data.path")
-        return sft_dataset(cfg, cfg.path, fitting_tokenizer(cfg, model_vocab, fix), seq_len)
+        make = preference_dataset if cfg.format == "preference" else sft_dataset
+        return make(cfg, cfg.path, fitting_tokenizer(cfg, model_vocab, fix), seq_len)
     if not cfg.blend:
         tokens, source = training_tokens(cfg, model_vocab, fix)
         dataset = PackedDataset(tokens, seq_len, vocab_size=model_vocab, source=source)

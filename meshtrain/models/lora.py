@@ -19,8 +19,10 @@ starting at the row norms of its weight (so after the base weights are loaded).
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import zlib
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -50,7 +52,12 @@ class LoRALinear(nn.Linear):
     lora_scale: float
     lora_dropout: float
 
+    adapters_on = True
+    """False inside ``adapters_disabled``: the base linear alone (a preference objective's reference)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.adapters_on:
+            return F.linear(x, self.weight, self.bias)
         update = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
         lora = F.linear(F.linear(update, self.lora_A), self.lora_B)
         return F.linear(x, self.weight, self.bias) + lora * self.lora_scale
@@ -67,6 +74,8 @@ class DoRALinear(LoRALinear):
     lora_magnitude: nn.Parameter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.adapters_on:
+            return F.linear(x, self.weight, self.bias)
         update = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
         base = F.linear(x, self.weight)
         plain = base if update is x else F.linear(update, self.weight)
@@ -86,9 +95,11 @@ class LoRAExperts(Experts):
     lora_scale: float
     lora_dropout: float
 
+    adapters_on = True
+
     def project(self, x: torch.Tensor, name: str, weight: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         out = groups.linear(x, weight)
-        if name not in self.lora_projections:
+        if name not in self.lora_projections or not self.adapters_on:
             return out
         base = getattr(self, name)
         a, b = (_local_adapter(getattr(self, f"{name}_{kind}"), base) for kind in ADAPTERS)
@@ -124,6 +135,19 @@ def _local_adapter(adapter: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
         if own.is_replicate() and not of_base.is_replicate():
             mine = _SumGradient.apply(mine, adapter.device_mesh.get_group(dim))
     return mine
+
+
+@contextlib.contextmanager
+def adapters_disabled(parts: list[nn.Module]) -> Iterator[None]:
+    """Within: every adapter of these parts switched off, the frozen base model computing alone."""
+    adapted = [m for part in parts for m in part.modules() if isinstance(m, (LoRALinear, LoRAExperts))]
+    for m in adapted:
+        m.adapters_on = False
+    try:
+        yield
+    finally:
+        for m in adapted:
+            del m.adapters_on  # back to the class's True
 
 
 def targeted(name: str, patterns: list[str] | tuple[str, ...]) -> bool:

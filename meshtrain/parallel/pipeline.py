@@ -14,8 +14,8 @@ last stage).
 
 The schedule splits each step's batch into n_microbatches = global / (micro * dp) chunks, and
 divides the accumulated gradients by that count (``scale_grads``), so the gradients are the mean
-over micro-batches exactly as without a pipeline. The mean loss lives on the rank of the last
-stage; one all-reduce over the pp group gives it to every rank for logging.
+over micro-batches exactly as without a pipeline. The loss function (the objective) runs on the
+rank of the last stage; what it records for the logs is summed over the pp group afterwards.
 """
 
 from __future__ import annotations
@@ -23,11 +23,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
-from torch.distributed.tensor import DTensor
 
 from meshtrain.parallel.layout import V_SCHEDULES
 from meshtrain.models.transformer import Transformer
@@ -57,6 +55,7 @@ class Pipeline:
                  device: torch.device, schedule: str, n_microbatches: int,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
         self.parts, self.stage_ids, self.pp_mesh = parts, stage_ids, pp_mesh
+        self.num_stages, self.schedule_name = num_stages, schedule
         self.has_first = 0 in stage_ids
         self.has_last = num_stages - 1 in stage_ids
         group = pp_mesh.get_group()
@@ -67,30 +66,16 @@ class Pipeline:
         self.schedule = cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
         self.device, self.n_microbatches = device, n_microbatches
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Forward and backward of one optimizer step's batch; returns the mean micro-batch loss,
-        on every pp rank. ``document_ids`` go to every stage (split into micro-batches like the inputs)."""
-        losses: list[torch.Tensor] = []
+    def run(self, inputs: torch.Tensor, target: torch.Tensor, document_ids: torch.Tensor | None = None,
+            backward: bool = True) -> list[torch.Tensor]:
+        """One step's batch through the schedule: forward and backward, or (``backward=False``) forward
+        only through the schedule's eval path. The loss function sees each micro-batch's logits and
+        target on the last stage; returns those micro-batches' losses there (nothing elsewhere).
+        ``document_ids`` go to every stage (split into micro-batches like the inputs)."""
         args = (inputs,) if self.has_first else ()
         kwargs = {"document_ids": document_ids} if document_ids is not None else {}
-        self.schedule.step(*args, target=labels if self.has_last else None, losses=losses,
-                           return_outputs=False, **kwargs)
-        loss = torch.zeros((), device=self.device)
-        if self.has_last:
-            loss += torch.stack([(x.full_tensor() if isinstance(x, DTensor) else x).detach().float()
-                                 for x in losses]).mean()
-        dist.all_reduce(loss, group=self.pp_mesh.get_group())
-        return loss
-
-    def eval_losses(self, inputs: torch.Tensor, labels: torch.Tensor,
-                    document_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """Forward only, through the schedule's eval path: each micro-batch's loss (the schedule's
-        loss function) on the last stage, zeros elsewhere."""
+        target = target if self.has_last else None
         losses: list[torch.Tensor] = []
-        args = (inputs,) if self.has_first else ()
-        kwargs = {"document_ids": document_ids} if document_ids is not None else {}
-        self.schedule.eval(*args, target=labels if self.has_last else None, losses=losses, return_outputs=False,
-                           **kwargs)
-        if not self.has_last:
-            return [torch.zeros((), device=self.device)] * self.n_microbatches
-        return [(x.full_tensor() if isinstance(x, DTensor) else x).detach().float() for x in losses]
+        run = self.schedule.step if backward else self.schedule.eval
+        run(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        return losses

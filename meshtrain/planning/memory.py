@@ -221,6 +221,8 @@ class Memory:
     trainable: int | None = None
     """Of ``params``, those with gradients and optimizer state (a LoRA fine-tune's adapters); None: all."""
     trainable_no_fsdp: int | None = None
+    reference: bool = False
+    """A frozen reference copy of the weights (preference training without LoRA) beside them."""
 
     @property
     def trained(self) -> int:
@@ -244,12 +246,12 @@ class Memory:
 
     @property
     def states(self) -> float:
-        return self.weights + self.grads + self.optimizer
+        return self.weights * (2 if self.reference else 1) + self.grads + self.optimizer
 
     @property
     def states_no_fsdp(self) -> float:
         p = self.precision
-        return self.params_no_fsdp * p.weights + self.trained_no_fsdp * (p.grads + p.optimizer)
+        return self.params_no_fsdp * p.weights * (2 if self.reference else 1) + self.trained_no_fsdp * (p.grads + p.optimizer)
 
     @property
     def total(self) -> float:
@@ -286,7 +288,8 @@ def estimate(s: ModelShape, sizes: Sizes, cfg: PlanConfig, schedule: str, microb
         counts = [rank_parameters(s, sizes, schedule, pp_rank=pp_rank, fsdp=fsdp, trainable=trainable)
                   for trainable in (False, True) for fsdp in (True, False)]
         m = Memory(counts[0], counts[1], prec, act, (per_layer[0] if per_layer else 0) * prec.activations, logits,
-                   flight, len(layer_ids), ac, pp_rank, *(counts[2:] if s.lora_rank else (None, None)))
+                   flight, len(layer_ids), ac, pp_rank, *(counts[2:] if s.lora_rank else (None, None)),
+                   reference=s.reference_copy)
         if best is None or m.total > best.total:
             best = m
     return best

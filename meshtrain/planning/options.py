@@ -55,6 +55,9 @@ class PlanConfig:
     no optimizer state). Default: a meshtrain YAML's peft section; 0 trains every weight."""
     dora: bool = False
     """With --lora-rank: DoRA (a trained magnitude per output row of each adapted layer besides A and B)."""
+    preference: bool = False
+    """Plan preference training (DPO, IPO, hinge): without --lora-rank a frozen reference copy of the
+    weights is held beside them, sharded alike. Default: a meshtrain YAML with data.format=preference."""
     lora_targets: list[str] | None = None
     """With --lora-rank: the modules (wildcards) that get adapters. Default: the YAML's peft.targets,
     else meshtrain's default (attention and MLP projections, the experts' included)."""

@@ -61,6 +61,8 @@ def report(plan: Plan, cfg: PlanConfig) -> str:
               f"  {'':34}{'no parallelism':>16}{'this layout':>14}{'+ FSDP':>10}"]
     fsdp = z.dp * z.cp > 1
     rows = [("weights", p.weights, False), ("gradients", p.grads, True), ("optimizer state", p.optimizer, True)]
+    if m.reference:
+        rows.insert(1, ("reference copy, frozen", p.weights, False))
     for name, b, trained in rows:
         counts = (single.trained, m.trained_no_fsdp, m.trained) if trained else (single.params, m.params_no_fsdp,
                                                                                   m.params)

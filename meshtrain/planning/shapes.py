@@ -48,6 +48,8 @@ class ModelShape:
     (0: every weight trains)."""
     lora_targets: tuple[str, ...] = ()
     lora_magnitudes: bool = False
+    reference_copy: bool = False
+    """Preference training without LoRA: a frozen copy of the weights, sharded like them, is the reference."""
     """DoRA: a trained magnitude per output row of each adapted linear, besides A and B."""
     model: ModelConfig | None = dataclasses.field(default=None, compare=False)
     """The model these numbers describe, which the inventory builds (set by every constructor below)."""
@@ -194,7 +196,8 @@ def shape_from_job(job: JobConfig, name: str) -> ModelShape:
     if job.peft.adapters:
         shape = dataclasses.replace(shape, lora_rank=job.peft.rank, lora_targets=tuple(job.peft.targets),
                                     lora_magnitudes=job.peft.method == "dora")
-    return shape
+    preference = job.data.format == "preference" and job.preference.loss != "simpo"  # SimPO has no reference
+    return dataclasses.replace(shape, reference_copy=preference and not job.peft.adapters)
 
 
 # ---- the tensor inventory ------------------------------------------------------------------
@@ -335,6 +338,10 @@ def resolve(cfg: PlanConfig) -> tuple[PlanConfig, ModelShape]:
                                     lora_magnitudes=cfg.dora or shape.lora_magnitudes)
     elif cfg.lora_targets or cfg.dora:
         raise ConfigError("--lora-targets or --dora is given without --lora-rank. Fix: add e.g. --lora-rank 16")
+    if cfg.preference:
+        shape = dataclasses.replace(shape, reference_copy=True)
+    if shape.lora_rank:  # the reference is the base with the adapters off
+        shape = dataclasses.replace(shape, reference_copy=False)
     if shape.lora_magnitudes and any(t.expert and t.trainable for t in parameter_tensors(shape)):
         raise ConfigError(f"DoRA with LoRA targets {list(shape.lora_targets)}, which match the stacked experts: "
                           "DoRA is not supported on experts. Fix: target the attention and dense projections only (e.g. "

@@ -134,4 +134,8 @@ def format_metrics(step: int, total: int, m: dict[str, float]) -> str:
             f"MFU {mfu}  mem {m['memory_gib']:.2f}GiB"
             + (f"  aux {m['moe_aux_loss']:.3f}  imbalance {m['moe_imbalance']:.2f}" if "moe_imbalance" in m else "")
             + (f"  dropped {100 * m['moe_dropped']:.1f}%" if "moe_dropped" in m else "")
-            + (f"  val_loss {m['val_loss']:.4f}  val_ppl {m['val_ppl']:.2f}" if "val_loss" in m else ""))
+            + (f"  reward acc {m['rewards/accuracies']:.2f}  margin {m['rewards/margins']:.3f}"
+               if "rewards/margins" in m else "")
+            + (f"  val_loss {m['val_loss']:.4f}" if "val_loss" in m else "")
+            + (f"  val_ppl {m['val_ppl']:.2f}" if "val_ppl" in m else "")
+            + (f"  val_reward_acc {m['val_rewards/accuracies']:.2f}" if "val_rewards/accuracies" in m else ""))
