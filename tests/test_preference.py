@@ -268,42 +268,39 @@ def chat_pairs(path) -> str:
     return str(path)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("config, layout", [
-    ("dpo_lora.yaml", ("--parallel.tp", "2")),
-    # the frozen copy of the reference pipelined like the policy, tied to nothing: pp2 instead of tp2
-    ("dpo_full.yaml", ("--parallel.tp", "1", "--parallel.sp", "False", "--parallel.pp", "2"))])
-def test_the_dpo_configs_run_end_to_end_and_export_models_transformers_loads(tmp_path, config, layout):
-    """configs/dpo_lora.yaml and configs/dpo_full.yaml as docs/fine-tuning.md runs them, on a tiny Llama
-    with a chat tokenizer and chat-form pairs: the first loss is ln 2, the chosen responses' margin
-    grows, and the exports (LoRA: the PEFT adapter and the merged model) load in transformers (and
-    peft) with the same logits, not the base model's."""
+@pytest.mark.parametrize("config", ["dpo_lora.yaml", "dpo_full.yaml"])
+def test_the_dpo_configs_run_end_to_end_and_export_models_transformers_loads(tmp_path, config, capsys):
+    """configs/dpo_lora.yaml and configs/dpo_full.yaml as docs/fine-tuning.md runs them (in one process
+    here: their layouts are the layout tests' above), on a tiny Llama with a chat tokenizer and
+    chat-form pairs: the first loss is ln 2, the chosen responses' margin grows, and the exports
+    (LoRA: the PEFT adapter and the merged model) load in transformers (and peft) with the same
+    logits, not the base model's."""
     import shutil
 
     import transformers
 
-    from tests.conftest import ROOT, torchrun
+    from meshtrain.cli import parse
+    from meshtrain.commands.train import run
+    from meshtrain.config import JobConfig
+    from tests.conftest import ROOT
     from tests.hf_models import write_hf_dir
 
-    model_dir = write_hf_dir(tmp_path / "model", num_hidden_layers=4)
+    model_dir = write_hf_dir(tmp_path / "model")
     tok = chat_tokenizer(tmp_path / "tok")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tok / name, model_dir / name)
     out = tmp_path / "run"
     lora = config == "dpo_lora.yaml"
-    proc = torchrun(2, ["-m", "meshtrain", "train", "--config", str(ROOT / "configs" / config),
-                            "--model.init-from-hf", str(model_dir), "--data.tokenizer", str(model_dir),
-                            "--data.path", chat_pairs(tmp_path / "pairs.jsonl"), "--train.steps", "4",
-                            "--train.seq-len", "192", "--train.global-batch-size", "4", "--train.run-dir", str(out),
-                            *layout, "--optimizer.lr", "1e-2" if lora else "1e-3", "--lr-schedule.warmup-steps", "1",
-                            "--checkpoint.export-hf", str(out / "merged"), "--logging.jsonl", "True",
-                            *(("--peft.export-adapter", str(out / "adapter")) if lora else ()),
-                            "--logging.progress", "off"])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "preference pairs: 40 pairs in 20 samples; 0 truncated" in proc.stdout, proc.stdout[:600]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert records[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
-    assert records[-1]["rewards/margins"] > records[0]["rewards/margins"]
+    history = run(parse(JobConfig, [
+        "--config", str(ROOT / "configs" / config), "--model.init-from-hf", str(model_dir),
+        "--data.tokenizer", str(model_dir), "--data.path", chat_pairs(tmp_path / "pairs.jsonl"),
+        "--train.steps", "4", "--train.seq-len", "192", "--train.global-batch-size", "4", "--train.run-dir", str(out),
+        "--parallel.tp", "1", "--parallel.sp", "False", "--optimizer.lr", "1e-2" if lora else "1e-3",
+        "--lr-schedule.warmup-steps", "1", "--checkpoint.export-hf", str(out / "merged"),
+        *(("--peft.export-adapter", str(out / "adapter")) if lora else ()), "--logging.progress", "off"], "train"))
+    assert "preference pairs: 40 pairs in 20 samples; 0 truncated" in capsys.readouterr().out
+    assert history[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert history[-1]["rewards/margins"] > history[0]["rewards/margins"]
     base = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir))
     x = torch.randint(0, 384, (2, 24))
     with torch.no_grad():
