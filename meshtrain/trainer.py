@@ -61,7 +61,7 @@ class Trainer:
         self.stream = self._build_data()
         self.objective = build_objective(cfg)
         torch.manual_seed(cfg.train.seed)
-        self.parts, self.pipeline = self._build_model_parts()
+        self.parts, self.pipeline = self.build_model_parts()
         self.params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
         self.tied_copies = tied_copies(cfg, self.parts, mesh) if self.pipeline is not None else None
         self.float8_fsdp_scales = float8_all_gather(cfg, mesh)
@@ -130,8 +130,9 @@ class Trainer:
         return eos, (f"document masking on (EOS {eos}"
                      f"{', positions restart per document' if d.reset_position_ids else ''})")
 
-    def _build_model_parts(self) -> tuple[list[torch.nn.Module], Pipeline | None]:
-        """The whole model, or this pp rank's stages and the schedule that drives them."""
+    def build_model_parts(self) -> tuple[list[torch.nn.Module], Pipeline | None]:
+        """The whole model, or this pp rank's stages and the schedule that drives them (the objective
+        its loss function); initialised, unless the weights come from model.init_from_hf."""
         cfg, mesh, device = self.cfg, self.mesh, self.runtime.device
         from_scratch = cfg.model.init_from_hf is None  # else the weights are loaded after this
         if mesh.size("pp") == 1:

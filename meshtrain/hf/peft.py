@@ -52,7 +52,7 @@ def fuse_adapters(adapters: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[
     """The adapters with those of a fused module's parts as one adapter of it, and each such HF
     module -> how many parts' adapters it holds."""
     family = cfg.definition
-    owner = {part: fused for fused, parts in family.fused.items() for part in parts}
+    owner = family.fused_into
     out, groups = {}, {}
     for name, tensor in adapters.items():
         m = _LAYER_ADAPTER.fullmatch(name)
@@ -65,10 +65,10 @@ def fuse_adapters(adapters: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[
         parts = family.fused[fused]
         rank = next(iter(adapted.values()))["lora_A"].shape[0]
         a = [adapted[p]["lora_A"] for p in parts if p in adapted]
-        b = torch.zeros(sum(family.part_rows(cfg, p) for p in parts), rank * len(a))
+        part_rows = [family.part_rows(cfg, p) for p in parts]
+        b = torch.zeros(sum(part_rows), rank * len(a))
         row, column = 0, 0
-        for part in parts:
-            rows = family.part_rows(cfg, part)
+        for part, rows in zip(parts, part_rows):
             if part in adapted:
                 b[row:row + rows, column:column + rank] = adapted[part]["lora_B"]
                 column += rank

@@ -83,6 +83,11 @@ class Family:
     def is_moe(self) -> bool:
         return self.experts is not None
 
+    @property
+    def fused_into(self) -> dict[str, str]:
+        """Each linear of a fused tensor (``self_attn.q_proj``) -> the checkpoint module holding it."""
+        return {part: fused for fused, parts in self.fused.items() for part in parts}
+
     # --- the model -------------------------------------------------------------------------------
 
     def is_sparse_layer(self, cfg: ModelConfig, layer: int) -> bool:
@@ -183,7 +188,7 @@ class Family:
         asked) gives the fused name with those parts."""
         if not self.fused:
             return state_dict
-        owner = {part: fused for fused, parts in self.fused.items() for part in parts}
+        owner = self.fused_into
         out: dict[str, Any] = {}
         stacks: dict[str, dict[str, T]] = {}
         for name, value in state_dict.items():

@@ -19,8 +19,6 @@ import torch
 from meshtrain.hf.io import load_hf_weights
 from meshtrain.micro_batches import forward_micro_batches
 from meshtrain.models.lora import adapters_disabled
-from meshtrain.parallel.parallelize import build_model
-from meshtrain.parallel.pipeline import Pipeline
 
 
 class Reference:
@@ -30,17 +28,11 @@ class Reference:
         if not self.copy:
             self.parts, self.pipeline = trainer.parts, trainer.pipeline
             return
-        pipeline = trainer.pipeline
-        stages = pipeline.stage_ids if pipeline is not None else [None]
-        self.parts = [build_model(cfg, trainer.mesh, trainer.runtime.device, stage=s,
-                                  initialize=cfg.model.init_from_hf is None) for s in stages]
+        self.parts, self.pipeline = trainer.build_model_parts()  # as the policy's: the same layout and schedule
         if cfg.model.init_from_hf is not None:
             load_hf_weights(self.parts, cfg.model.init_from_hf)
         for part in self.parts:
             part.requires_grad_(False)
-        self.pipeline = None if pipeline is None else Pipeline(
-            self.parts, pipeline.stage_ids, pipeline.num_stages, trainer.mesh["pp"], trainer.runtime.device,
-            pipeline.schedule_name, pipeline.n_microbatches, trainer.objective)
 
     @torch.no_grad()
     def score(self, trainer, batches) -> torch.Tensor:

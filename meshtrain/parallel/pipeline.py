@@ -54,8 +54,7 @@ class Pipeline:
     def __init__(self, parts: list[Transformer], stage_ids: list[int], num_stages: int, pp_mesh: DeviceMesh,
                  device: torch.device, schedule: str, n_microbatches: int,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
-        self.parts, self.stage_ids, self.pp_mesh = parts, stage_ids, pp_mesh
-        self.num_stages, self.schedule_name = num_stages, schedule
+        self.parts, self.stage_ids = parts, stage_ids
         self.has_first = 0 in stage_ids
         self.has_last = num_stages - 1 in stage_ids
         group = pp_mesh.get_group()
@@ -64,7 +63,6 @@ class Pipeline:
         cls = get_schedule_class(schedule)
         stages = self.stages[0] if issubclass(cls, PipelineScheduleSingle) else self.stages
         self.schedule = cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
-        self.device, self.n_microbatches = device, n_microbatches
 
     def run(self, inputs: torch.Tensor, target: torch.Tensor, document_ids: torch.Tensor | None = None,
             backward: bool = True) -> list[torch.Tensor]:

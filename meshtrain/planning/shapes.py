@@ -48,9 +48,9 @@ class ModelShape:
     (0: every weight trains)."""
     lora_targets: tuple[str, ...] = ()
     lora_magnitudes: bool = False
+    """DoRA: a trained magnitude per output row of each adapted linear, besides A and B."""
     reference_copy: bool = False
     """Preference training without LoRA: a frozen copy of the weights, sharded like them, is the reference."""
-    """DoRA: a trained magnitude per output row of each adapted linear, besides A and B."""
     model: ModelConfig | None = dataclasses.field(default=None, compare=False)
     """The model these numbers describe, which the inventory builds (set by every constructor below)."""
 
@@ -338,10 +338,8 @@ def resolve(cfg: PlanConfig) -> tuple[PlanConfig, ModelShape]:
                                     lora_magnitudes=cfg.dora or shape.lora_magnitudes)
     elif cfg.lora_targets or cfg.dora:
         raise ConfigError("--lora-targets or --dora is given without --lora-rank. Fix: add e.g. --lora-rank 16")
-    if cfg.preference:
-        shape = dataclasses.replace(shape, reference_copy=True)
-    if shape.lora_rank:  # the reference is the base with the adapters off
-        shape = dataclasses.replace(shape, reference_copy=False)
+    # under LoRA the reference is the base with the adapters off: no copy
+    shape = dataclasses.replace(shape, reference_copy=(cfg.preference or shape.reference_copy) and not shape.lora_rank)
     if shape.lora_magnitudes and any(t.expert and t.trainable for t in parameter_tensors(shape)):
         raise ConfigError(f"DoRA with LoRA targets {list(shape.lora_targets)}, which match the stacked experts: "
                           "DoRA is not supported on experts. Fix: target the attention and dense projections only (e.g. "
