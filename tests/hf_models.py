@@ -51,6 +51,17 @@ FAMILIES = {  # family: (transformers config class, its tiny config)
         vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
         mlp_only_layers=[0], norm_topk_prob=True, max_position_embeddings=128)),
+    # latent attention with a query latent, YaRN whose mscale_all_dim bends cos/sin and the softmax scale,
+    # 8 experts in 4 groups (2 chosen) for 3 per token, 2 shared experts' worth, a dense first layer,
+    # head dims that differ (12 + 6 for queries/keys, 10 for values); hf_model randomises the routing bias
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        vocab_size=383, hidden_size=48, intermediate_size=80, moe_intermediate_size=24, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=20, q_lora_rank=28, qk_nope_head_dim=12,
+        qk_rope_head_dim=6, v_head_dim=10, n_routed_experts=8, n_shared_experts=2, n_group=4, topk_group=2,
+        num_experts_per_tok=3, first_k_dense_replace=1, routed_scaling_factor=2.5, max_position_embeddings=128,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+                         "mscale_all_dim": 0.8, "original_max_position_embeddings": 32},
+        bos_token_id=1, eos_token_id=2)),
     "mixtral": ("MixtralConfig", dict(
         vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128)),
@@ -78,6 +89,9 @@ def hf_model(family: str, dtype=torch.float32, seed: int = 0, **overrides):
                 p.normal_(0.0, 0.1)
             if name.endswith("gate.weight"):  # MoE routers: random, so that every expert gets tokens
                 p.normal_(0.0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias starts at zero
+                b.normal_(0.0, 0.1)
     return model
 
 

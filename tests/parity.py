@@ -48,6 +48,17 @@ GEMMA2 = (*NEW_FAMILY_STEPS, "--model.family", "gemma2", "--model.tie-word-embed
           "--model.final-logit-softcapping", "3.0")
 GEMMA3_PP = PP_MODEL + ("--model.layer-types", "sliding_attention", "full_attention", "sliding_attention",
                         "full_attention")
+DEEPSEEK_V3 = (*NEW_FAMILY_STEPS, "--model.family", "deepseek_v3", "--model.kv-lora-rank", "16",
+               "--model.q-lora-rank", "24", "--model.qk-nope-head-dim", "8", "--model.qk-rope-head-dim", "4",
+               "--model.v-head-dim", "6", "--model.num-experts", "8", "--model.num-experts-per-tok", "3",
+               "--model.moe-intermediate-size", "16", "--model.shared-expert-intermediate-size", "32",
+               "--model.n-group", "4", "--model.topk-group", "2", "--model.routed-scaling-factor", "2.5",
+               "--model.mlp-only-layers", "0", "--model.router-bias-update-rate", "0.01",
+               "--model.rope-scaling.type", "yarn", "--model.rope-scaling.factor", "4",
+               "--model.rope-scaling.original-max-position-embeddings", "16", "--model.rope-scaling.mscale-all-dim", "0.8")
+EP2, SP2 = ("--parallel.ep", "2"), ("--parallel.tp", "2", "--parallel.sp", "True")
+
+
 def every_layout(pp_model: tuple[str, ...], *names: str) -> dict:
     """Of dp2, tp2+SP, pp2, cp2 and pp2 x dp2 x tp2+SP (8 ranks), the ``names`` (all by default): the
     layouts a family's own blocks meet. The parallel plumbing itself is proven on Llama's full matrix."""
@@ -84,6 +95,12 @@ FAMILY_LAYOUTS = {  # family: (model options over TINY, {layout: (ranks, paralle
     # Mistral's blocks (the checkpoint's fused tensors are tests/test_checkpoint_parallel.py's import
     # layout): the family trains under tp and SP as on one rank
     "phi3": (("--model.family", "phi3", "--model.sliding-window", "8", *NEW_FAMILY_STEPS), every_layout(PP_MODEL, "tp2-sp")),
+    # latent attention (tp: per-head projections split, the latent ones whole; cp: the ring with values
+    # padded to the query dims), YaRN, a dense first layer, sigmoid group-limited routing with a shared
+    # expert and the routing bias updated every step, under every layout and the expert ones
+    "deepseek_v3": (DEEPSEEK_V3, every_layout(PP_MODEL, "dp2", "tp2-sp", "pp2", "cp2") | {
+        "ep2": (2, EP2, ()), "ep2-etp2": (4, (*EP2, "--parallel.etp", "2"), ()), "tp2-sp-ep2": (2, (*SP2, *EP2), ()),
+        "pp2-dp2-tp2-sp-ep2": (8, ("--parallel.pp", "2", *SP2, *EP2), PP_MODEL)}),
 }
 """Families other than Llama (tests/test_parallel.py's full matrix) and the MoE families
 (tests/test_moe.py's), each on a few layouts chosen for what the family adds."""

@@ -20,19 +20,22 @@ CASES = {"llama": ("llama", {}), "qwen3": ("qwen3", {}), "llama-tied": ("llama",
          "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}), "mistral": ("mistral", {}),
          "mistral-no-window": ("mistral", {"sliding_window": None}), "gemma3": ("gemma3", {}),
          "gemma2": ("gemma2", {}), "phi3": ("phi3", {}), "phi3-tied-no-window": ("phi3", {"tie_word_embeddings": True,
-                                                                                      "sliding_window": None})}
+                                                                                      "sliding_window": None}),
+         "deepseek_v3": ("deepseek_v3", {}),
+         # Qwen2.5's long-context setting (its model cards: YaRN, factor 4), the tests' sequences past the original
+         "qwen2-yarn": ("qwen2", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                                      "original_max_position_embeddings": 32}})}
 
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_names_and_shapes_equal_transformers(case):
+def test_names_and_shapes_equal_transformers(case, tmp_path):
+    """What transformers writes (its checkpoint format, not its modules': transformers 5 fuses experts
+    in memory and splits them again on saving)."""
     family, overrides = CASES[case]
-    hf = hf_model(family, **overrides)
-    cfg, _ = model_config_from_hf(hf.config.to_dict())
-    theirs = {k: v.shape for k, v in hf.state_dict().items()}
-    if cfg.tie_word_embeddings:
-        theirs.pop("lm_head.weight")
-    assert hf_shapes(cfg) == theirs
+    directory = write_hf_dir(tmp_path, family, shard=None, **overrides)
+    cfg, _ = model_config_from_hf(json.loads((directory / "config.json").read_text()))
+    assert hf_shapes(cfg) == {k: v.shape for k, v in read_tensors(directory).items()}
     assert from_hf(to_hf({"embed_tokens.weight": 1, "lm_head.weight": 2, "norm.weight": 3}, cfg), cfg) == (
         {"embed_tokens.weight": 1, "norm.weight": 3} if cfg.tie_word_embeddings
         else {"embed_tokens.weight": 1, "lm_head.weight": 2, "norm.weight": 3})
@@ -76,7 +79,9 @@ def test_legacy_rope_spelling_reads_the_same():
     ({"architectures": ["GPT2LMHeadModel"]}, "architectures=['GPT2LMHeadModel'] is not supported"),
     ({"attention_bias": True}, "attention_bias=True is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn' is not supported"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0}}, "rope_type 'dynamic' is not supported"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
+     "rope_type 'yarn' needs 'factor' and 'original_max_position_embeddings'"),
     ({"hidden_size": None}, "hidden_size"),
     ({"architectures": [], "model_type": "gpt2"}, "model_type='gpt2' (and no architectures) is not supported"),
 ])
@@ -216,7 +221,7 @@ def test_export_never_overwrites_and_a_failed_one_leaves_no_complete_looking_dir
     assert not (tmp_path / "out.incomplete").exists()
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mistral", "phi3"])
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "phi3", "deepseek_v3"])
 def test_convert_round_trip_of_a_new_family_is_exact(family, tmp_path):
     """``meshtrain convert`` HF -> DCP -> HF in one process (tests/test_checkpoint_parallel.py does it
     on several ranks for qwen3): the same bytes, biases, explicit head_dim and fused tensors included."""

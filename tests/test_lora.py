@@ -398,14 +398,21 @@ def test_a_lora_checkpoint_of_an_hf_base_resumed_without_it_names_the_base():
         check_architecture(meta, ModelConfig(), "ckpt")
 
 
-@pytest.mark.parametrize("family, targets", [("qwen2", None), ("gemma3", None), ("phi3", None),
-                                             ("phi3", ["*.q_proj", "*.v_proj", "*.up_proj"])],
-                         ids=["qwen2", "gemma3", "phi3", "phi3-some-parts"])
-def test_new_family_adapters_load_in_peft_and_merge_into_a_transformers_model(tmp_path, family, targets):
+DEEPSEEK_TARGETS = ["*.q_a_proj", "*.q_b_proj", "*.kv_a_proj_with_mqa", "*.kv_b_proj", "*.o_proj", "*.experts",
+                    "*.shared_expert.*", "*.mlp.down_proj"]
+
+
+@pytest.mark.parametrize("family, targets, adapted", [
+    ("qwen2", None, 14), ("gemma3", None, 21), ("phi3", None, 14), ("phi3", ["*.q_proj", "*.v_proj", "*.up_proj"], 6),
+    # 5 latent-attention linears a layer, the dense first MLP's down_proj, each MoE layer's experts (3
+    # stacks) and shared expert (3 linears)
+    ("deepseek_v3", DEEPSEEK_TARGETS, 3 * 5 + 1 + 2 * 6)], ids=["qwen2", "gemma3", "phi3", "phi3-some-parts", "deepseek_v3"])
+def test_new_family_adapters_load_in_peft_and_merge_into_a_transformers_model(tmp_path, family, targets, adapted):
     """LoRA on the default targets of a Qwen2 (q/k/v biases beside the adapters), a Gemma 3 (tied,
     four norms a layer) and a Phi-3 (adapters of q/k/v_proj as one of the checkpoint's qkv_proj, also
-    with some parts only), imported from transformers: the PEFT adapter on the HF model and the merged
-    export loaded by transformers give meshtrain's adapted logits."""
+    with some parts only), and on DeepSeek-V3's latent attention, routed and shared experts, imported
+    from transformers: the PEFT adapter on the HF model and the merged export loaded by transformers
+    give meshtrain's adapted logits."""
     peft = pytest.importorskip("peft")
     import transformers
 
@@ -417,7 +424,7 @@ def test_new_family_adapters_load_in_peft_and_merge_into_a_transformers_model(tm
     hf, directory = hf_dir(tmp_path, family)
     ours = meshtrain_from(directory)
     lora = PeftConfig(method="lora", rank=4, alpha=8, **({"targets": targets} if targets else {}))
-    assert len(add_lora(ours, lora)) == len(lora.targets) * ours.cfg.num_hidden_layers
+    assert len(add_lora(ours, lora)) == adapted
     init_lora(ours, 0)
     with torch.no_grad():
         for name, p in ours.named_parameters():

@@ -21,7 +21,10 @@ from tests.parity import (COMPILED_RTOL, LOSS_RTOL, MOE_ARGS, TINY, TINY_NO_MODE
 
 @pytest.mark.parametrize("family,kw", [("qwen3_moe", {}), ("qwen3_moe", {"norm_topk_prob": False}),
                                        ("qwen3_moe", {"decoder_sparse_step": 2, "mlp_only_layers": []}),
-                                       ("mixtral", {})])
+                                       ("mixtral", {}), ("deepseek_v3", {}),
+                                       ("deepseek_v3", {"q_lora_rank": None, "rope_interleave": False,
+                                                        "norm_topk_prob": False, "first_k_dense_replace": 0,
+                                                        "rope_parameters": {"rope_type": "default"}})])
 def test_logits_equal_transformers(tmp_path, family, kw):
     hf, directory = hf_dir(tmp_path, family, **kw)
     ours = meshtrain_from(directory)
@@ -34,12 +37,12 @@ def test_logits_equal_transformers(tmp_path, family, kw):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
 def test_names_and_config_round_trip_bit_exact(tmp_path, family):
     _, directory = hf_dir(tmp_path, family)
     stored = read_tensors(directory)
     model = meshtrain_from(directory)
-    exported = to_hf({n: p.detach() for n, p in model.named_parameters()}, model.cfg)
+    exported = to_hf({n: t.detach() for n, t in model.cfg.definition.checkpoint_tensors(model)}, model.cfg)
     assert exported.keys() == stored.keys()
     for key, value in stored.items():
         assert torch.equal(exported[key], value), key
@@ -330,6 +333,9 @@ SHARDED_IMPORTS = {  # name: (ranks, family, layout, HF config); the experts sha
     "qwen3_moe-ep2-edp2": (4, "qwen3_moe", ["--parallel.ep", "2"], {}),
     # 2 experts, 1 per ep rank, over edp2: FSDP pads, one rank of each edp pair holds none
     "mixtral-ep2-edp2-uneven": (4, "mixtral", ["--parallel.ep", "2"], {"num_local_experts": 2}),
+    # latent attention split by heads (its latent projections whole), the routing bias a buffer read and written
+    "deepseek_v3-tp2-sp-ep2": (2, "deepseek_v3", ["--parallel.tp", "2", "--parallel.sp", "True", "--parallel.ep", "2"],
+                               {}),
 }
 
 

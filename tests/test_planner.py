@@ -40,6 +40,18 @@ def test_deepseek_v3_gets_its_published_layout_class():
     assert abs(total_parameters(p.shape) / 671e9 - 1) < 0.01 and abs(active_parameters(p.shape) / 37e9 - 1) < 0.01
 
 
+def test_deepseek_v3_s_own_config_json_counts_its_published_parameters_and_gets_its_layout():
+    """The released config.json (tests/model_configs/README.md): latent attention's real tensors and
+    the dense first layers counted from the model itself. DeepSeek's weight notes give 671B
+    parameters, 36.6B activated counting the output head but not the embedding (0.93B)."""
+    p, _ = plan(model=str(ROOT / "tests/model_configs/deepseek-ai-DeepSeek-V3.json"), gpus=2048)
+    embedding = 129280 * 7168
+    assert p.shape.model.family == "deepseek_v3" and p.shape.dense_layers == (0, 1, 2)
+    assert abs(total_parameters(p.shape) / 671.0e9 - 1) < 1e-3
+    assert abs((active_parameters(p.shape) - embedding) / 36.6e9 - 1) < 2e-3
+    assert (p.sizes.tp, p.sizes.pp, p.sizes.ep) == (2, 16, 64)
+
+
 def test_kimi_k2_lands_in_the_over_500b_moe_row():
     p, _ = plan(params="1t", active_params="32b", num_experts=384, experts_per_token=8, gpus=2048)
     assert p.sizes.tp == 2 and p.sizes.pp == 16 and p.sizes.ep in (32, 64)
@@ -116,8 +128,8 @@ def test_dense_family_configs_plan_the_tensors_transformers_builds(family, tmp_p
 
 
 def test_an_architecture_meshtrain_cannot_train_is_planned_by_size_instead(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 64}))
-    with pytest.raises(ConfigError, match=r"DeepseekV3ForCausalLM.*not supported.*Fix: plan it by size instead"):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GptOssForCausalLM"], "hidden_size": 64}))
+    with pytest.raises(ConfigError, match=r"GptOssForCausalLM.*not supported.*Fix: plan it by size instead"):
         plan(model=str(tmp_path), gpus=8)
 
 

@@ -3,6 +3,7 @@ tokens, conversations packed whole, the step's loss over its targets; and SFT tr
 and pp layouts equal to the single-process run."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -280,3 +281,54 @@ def test_the_sft_config_fine_tunes_an_imported_model_and_exports_it(tmp_path):
     assert changed  # fine-tuned
     assert transformers.AutoTokenizer.from_pretrained(str(out / "hf")).apply_chat_template(
         CONVERSATIONS[1], tokenize=False).startswith("<|im_start|>user")  # the tokenizer and its template ship
+
+
+def deepseek_sft_source(directory) -> tuple[str, ...]:
+    """A tiny DeepSeek-V3 from transformers with a tokenizer holding DeepSeek-V3.1's real chat
+    template, and that family's conversations."""
+    import json
+    import shutil
+
+    from tests.hf_models import hf_dir
+
+    family = FAMILIES["deepseek_v3_1"]
+    tok = family_tokenizer(directory / "tok", family)
+    _, model = hf_dir(directory, "deepseek_v3", vocab_size=400)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok / name, model / name)
+    chats = directory / "chats.jsonl"
+    chats.write_text("".join(json.dumps(r) + "\n" for r in family_records(family) * 8))
+    return ("--model.init-from-hf", str(model), "--data.tokenizer", str(model), "--data.path", str(chats))
+
+
+DEEPSEEK_SFT = Job("sft/deepseek_v3-lora-tp2-ep2", 2, "train_command", (
+    "--config", "configs/deepseek_v3_lora_sft.yaml", "--parallel.pp", "1", "--parallel.ep", "2",
+    "--train.steps", "3", "--train.seq-len", "64", "--train.global-batch-size", "4", "--checkpoint.interval", "0",
+    "--peft.export-adapter", "{jobs}/sft/deepseek_v3-lora-tp2-ep2/adapter", "--logging.jsonl", "True",
+    "--checkpoint.export-hf", "{jobs}/sft/deepseek_v3-lora-tp2-ep2/merged", "--logging.progress", "off"),
+    prepare=deepseek_sft_source)
+
+
+@pytest.mark.slow
+@pytest.mark.job(DEEPSEEK_SFT)
+def test_the_deepseek_v3_config_fine_tunes_latent_attention_and_experts_with_its_chat_template(batches):
+    """configs/deepseek_v3_lora_sft.yaml (tp2 x SP, ep2 here) on a tiny DeepSeek-V3 with DeepSeek-V3.1's
+    template: LoRA on the latent attention's projections, every routed expert and the shared experts;
+    the PEFT adapter on transformers' model and the merged export give the same logits, not the base's."""
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    out = batches.result(DEEPSEEK_SFT)
+    model_dir = out / "deepseek_v3"
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 3 and all(math.isfinite(r["loss"]) for r in records)
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+    tokens = torch.randint(0, 400, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = base(tokens).logits
+        merged = transformers.AutoModelForCausalLM.from_pretrained(str(out / "merged"))(tokens).logits
+        adapted = peft.PeftModel.from_pretrained(base, str(out / "adapter"))(tokens).logits
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert {"q_a_proj", "kv_b_proj", "o_proj", "gate_proj", "down_proj"} <= set(config["target_modules"])
+    torch.testing.assert_close(adapted, merged, rtol=1e-4, atol=1e-5)
+    assert (merged - plain).abs().max() > 1e-4

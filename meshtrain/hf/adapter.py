@@ -52,7 +52,7 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
 
     with torch.device("meta"):
         model = Transformer(cfg)
-    return to_hf({n: p.shape for n, p in model.named_parameters()}, cfg)
+    return to_hf({n: p.shape for n, p in cfg.definition.checkpoint_tensors(model)}, cfg)
 
 
 # --- config.json ------------------------------------------------------------------------------
@@ -72,9 +72,19 @@ def rope_scaling_from_hf(scaling: dict, where: str) -> RopeScalingConfig:
         return RopeScalingConfig()
     if kind == "linear":
         return RopeScalingConfig(type="linear", factor=float(scaling["factor"]))
+    if kind == "yarn":
+        if "factor" not in scaling or "original_max_position_embeddings" not in scaling:
+            raise CheckpointError(f"{where}: rope_type 'yarn' needs 'factor' and 'original_max_position_embeddings'")
+        optional = {k: float(scaling[k]) for k in ("mscale", "mscale_all_dim", "attention_factor")
+                    if scaling.get(k) is not None}
+        return RopeScalingConfig(
+            type="yarn", factor=float(scaling["factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+            beta_fast=float(scaling.get("beta_fast") or 32), beta_slow=float(scaling.get("beta_slow") or 1),
+            truncate=bool(scaling.get("truncate", True)), **optional)
     if kind != "llama3":
         raise CheckpointError(f"{where}: rope_type {kind!r} is not supported (meshtrain implements 'default', "
-                              "'linear' and 'llama3')")
+                              "'linear', 'llama3' and 'yarn')")
     defaults = RopeScalingConfig()
     return RopeScalingConfig(
         type="llama3", factor=float(scaling.get("factor", defaults.factor)),
@@ -94,6 +104,13 @@ def rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": s.factor,
                 "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
                 "original_max_position_embeddings": s.original_max_position_embeddings}
+    elif s.type == "yarn":
+        rope = {"rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": s.factor,
+                "original_max_position_embeddings": s.original_max_position_embeddings}
+        # the optional keys where they are not transformers' defaults (absent from its own configs)
+        defaults = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True, "mscale": None, "mscale_all_dim": None,
+                    "attention_factor": None}
+        rope |= {k: getattr(s, k) for k, default in defaults.items() if getattr(s, k) != default}
     return rope
 
 

@@ -49,9 +49,11 @@ def _shorten(keys, n: int = 4) -> str:
     return ", ".join(keys[:n]) + (f" and {len(keys) - n} more" if len(keys) > n else "")
 
 
-def inspect_hf_dir(directory: str | pathlib.Path, expected: dict[str, torch.Size]) -> dict[str, torch.dtype]:
+def inspect_hf_dir(directory: str | pathlib.Path, expected: dict[str, torch.Size],
+                   cfg: ModelConfig | None = None) -> dict[str, torch.dtype]:
     """Check that ``directory`` holds exactly the tensors ``expected`` (HF key -> shape), readable;
-    returns each key's stored dtype. Reads the safetensors headers only."""
+    returns each key's stored dtype. Reads the safetensors headers only. ``cfg``: the model, whose
+    family may know what tensors it lacks are."""
     root = pathlib.Path(directory)
     if not root.is_dir():
         raise CheckpointError(f"{root}: no such directory (model.init_from_hf / the conversion source)")
@@ -104,7 +106,10 @@ def inspect_hf_dir(directory: str | pathlib.Path, expected: dict[str, torch.Size
                                   "config.json says tie_word_embeddings=true (one matrix for both). Fix: set "
                                   "tie_word_embeddings to false in config.json if the head is its own matrix")
         del found[TIED_HEAD]
-    if unexpected := set(found) - set(expected):
+    if (unexpected := set(found) - set(expected)) and cfg is not None and \
+            (known := cfg.definition.extra_tensors(unexpected, cfg)):
+        raise CheckpointError(f"{root}: {known}")
+    if unexpected:
         raise CheckpointError(f"{root}: unexpected tensors {_shorten(unexpected)} (in "
                               f"{found[min(unexpected)][0]}); meshtrain's model has no such parameter")
     for key, shape in expected.items():
@@ -179,18 +184,18 @@ def _hf_state(part: Transformer, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The part's weights under their Hugging Face names (LoRA adapters are not in a HF model:
     hf/peft.py writes them)."""
     return to_hf({n: expert_pieces(p.detach()) if ".experts." in n else p.detach()
-                  for n, p in part.named_parameters() if not is_adapter(n)}, cfg)
+                  for n, p in cfg.definition.checkpoint_tensors(part) if not is_adapter(n)}, cfg)
 
 
 @torch.no_grad()
 def load_hf_weights(parts: list[Transformer], directory: str) -> None:
     """Fill this rank's model parts (any layout) from a Hugging Face directory."""
     cfg = parts[0].cfg
-    inspect_hf_dir(directory, hf_shapes(cfg))
+    inspect_hf_dir(directory, hf_shapes(cfg), cfg)
     for part in parts:  # the same number of parts on every rank, so the collectives pair up
         state, stacks = split_stacks(_hf_state(part, cfg))
         dcp.load(state, storage_reader=HuggingFaceStorageReader(directory), planner=RowStackLoadPlanner(stacks))
-        part.reset_buffers()
+        part.reset_buffers(keep_loaded=bool(cfg.definition.hf_buffers))  # the buffers just read stay
 
 
 @torch.no_grad()
@@ -325,7 +330,7 @@ def export_dtypes(cfg: ModelConfig, choice: str, source: dict[str, torch.dtype] 
     if choice != "auto":
         return dict.fromkeys(shapes, DTYPES[choice])
     if source is None and cfg.init_from_hf is not None:
-        source = inspect_hf_dir(cfg.init_from_hf, shapes)
+        source = inspect_hf_dir(cfg.init_from_hf, shapes, cfg)
     return {key: (source or {}).get(key, torch.float32) for key in shapes}
 
 

@@ -13,13 +13,26 @@ from meshtrain.models import families
 @dataclass
 class RopeScalingConfig:
     """RoPE frequency scaling: llama3 (Llama 3.1's blend), linear (every frequency / factor, Gemma 3's
-    global layers); "none" disables it."""
+    global layers), yarn (DeepSeek-V3, GPT-OSS); "none" disables it. Fields as in config.json's
+    rope_parameters."""
 
-    type: Literal["none", "llama3", "linear"] = "none"
+    type: Literal["none", "llama3", "linear", "yarn"] = "none"
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    """yarn: frequencies turning more than this many times over the original context are kept."""
+    beta_slow: float = 1.0
+    """yarn: frequencies turning fewer than this many times are interpolated (divided by factor)."""
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    """yarn (DeepSeek): cos/sin scaled by mscale(factor, mscale) / mscale(factor, mscale_all_dim), the
+    softmax scale by mscale(factor, mscale_all_dim) squared."""
+    attention_factor: float | None = None
+    """yarn: the factor on cos/sin, when given (else derived from factor and the mscales)."""
+    truncate: bool = True
+    """yarn: round the ramp's ends to whole dimensions (GPT-OSS: false)."""
 
 
 FamilyName = Literal[families.names()]  # the modules of meshtrain/models/families
@@ -65,6 +78,19 @@ class ModelConfig:
     """Attention scores soft-capped, cap * tanh(score / cap), before the mask (Gemma 2: 50)."""
     final_logit_softcapping: float | None = None
     """The output logits soft-capped the same way (Gemma 2: 30)."""
+    kv_lora_rank: int = 0
+    """Multi-head latent attention (DeepSeek-V3: 512): keys and values are per-head projections of one
+    latent of this size per token (plus a shared RoPE key); 0 for the families without it."""
+    q_lora_rank: int | None = None
+    """MLA: the queries' latent size (DeepSeek-V3: 1536); None projects queries directly (V2-Lite)."""
+    qk_nope_head_dim: int = 0
+    """MLA: each head's query/key dims without RoPE (DeepSeek-V3: 128)."""
+    qk_rope_head_dim: int = 0
+    """MLA: each head's query/key dims with RoPE, the key's shared by the heads (DeepSeek-V3: 64)."""
+    v_head_dim: int = 0
+    """MLA: each head's value dims (DeepSeek-V3: 128)."""
+    rope_interleave: bool = True
+    """MLA: the rotated pairs are adjacent dims (DeepSeek's checkpoints) rather than the two halves."""
     init_std: float = 0.02
     """Std of the normal init; output projections use init_std / sqrt(2 * num_hidden_layers)."""
     init_from_hf: str | None = None
@@ -95,6 +121,13 @@ class ModelConfig:
     """Token dropping: each expert takes at most ceil(capacity_factor * seq_len * top_k / E) token
     copies of each sequence (first choices of every token before second choices, earlier tokens
     first: GShard's priority); the rest are dropped (the residual carries them). 0: no dropping."""
+    n_group: int = 1
+    """Group-limited routing (DeepSeek-V3: 8): the experts fall into this many groups, and each token
+    chooses among the topk_group groups whose two best scores sum highest; 1: no groups."""
+    topk_group: int = 1
+    """Group-limited routing: the groups each token's experts come from (DeepSeek-V3: 4)."""
+    routed_scaling_factor: float = 1.0
+    """The routed experts' weights are multiplied by this (DeepSeek-V3: 2.5)."""
 
     @property
     def resolved_head_dim(self) -> int:

@@ -68,6 +68,14 @@ class Family:
     """Set for a mixture-of-experts family: how its checkpoint names the experts."""
     topk_always_normalized: bool = False
     """The top-k routing weights sum to one whatever ``norm_topk_prob`` says (Mixtral)."""
+    router_scoring: str = "softmax"
+    """How the router scores the experts: "softmax" over them, or "sigmoid" each (DeepSeek-V3)."""
+    renames: dict[str, str] = {}
+    """Names inside a layer that the checkpoint spells otherwise: meshtrain's -> its (a leading part
+    of the name: DeepSeek-V3's ``mlp.shared_experts.`` for meshtrain's ``mlp.shared_expert.``)."""
+    hf_buffers: frozenset[str] = frozenset()
+    """Buffers (by their name in a layer) that the checkpoint holds beside the parameters
+    (DeepSeek-V3's routing bias, ``mlp.gate.expert_bias``)."""
     config_defaults: dict[str, Any] = {}
     """config.json keys written when the checkpoint the weights came from has none (a model trained
     from scratch), where the transformers config class's own default would not fit the model."""
@@ -98,6 +106,22 @@ class Family:
     def norm_type(self) -> type[nn.Module]:
         from meshtrain.models.transformer import OffsetRMSNorm, RMSNorm
         return OffsetRMSNorm if self.offset_norm else RMSNorm
+
+    def rope_dim(self, cfg: ModelConfig) -> int:
+        """The dims of a head that RoPE rotates (the tables' width)."""
+        return cfg.resolved_head_dim
+
+    def attention_dims(self, cfg: ModelConfig) -> tuple[int, int]:
+        """Each head's query/key dims and value dims (FLOPs of the scores and of their sum of values)."""
+        return cfg.resolved_head_dim, cfg.resolved_head_dim
+
+    def checkpoint_tensors(self, model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+        """The model's tensors a Hugging Face checkpoint holds, by meshtrain's names: its parameters and
+        the buffers in ``hf_buffers``."""
+        tensors = list(model.named_parameters())
+        if self.hf_buffers:
+            tensors += [(n, b) for n, b in model.named_buffers() if n.split(".", 2)[-1] in self.hf_buffers]
+        return tensors
 
     def norm(self, dim: int, eps: float) -> nn.Module:
         return self.norm_type(dim, eps)
@@ -156,6 +180,11 @@ class Family:
                      f"use family {moe}, or set model.num_experts=0")]
         return []
 
+    def extra_tensors(self, keys: set[str], cfg: ModelConfig) -> str | None:
+        """What the checkpoint's tensors ``keys``, which the model does not have, are, when the family
+        knows (an import then names it in its error)."""
+        return None
+
     # --- Hugging Face tensor names ---------------------------------------------------------------
 
     def to_hf(self, state_dict: dict[str, T], cfg: ModelConfig) -> dict[str, T]:
@@ -165,6 +194,7 @@ class Family:
         linears of a fused tensor one ``RowStack`` (a stacked shape, for shapes)."""
         out: dict[str, T] = {}
         for name, value in self._stack_fused(state_dict).items():
+            name = _rename(name, self.renames)
             if cfg.tie_word_embeddings and name == LM_HEAD:
                 if "embed_tokens.weight" in state_dict:
                     continue
@@ -234,10 +264,14 @@ class Family:
                 index, hf_kind, _ = rest.split(".")
                 experts.setdefault((prefix, kinds[hf_kind]), {})[int(index)] = value
                 continue
-            out[name.replace(f".{block}.", ".mlp.", 1)] = value
+            out[_rename(name.replace(f".{block}.", ".mlp.", 1), self._renamed_back)] = value
         for (prefix, kind), per_expert in experts.items():
             out[f"{prefix}.mlp.experts.{kind}"] = torch.stack([per_expert[e] for e in range(cfg.num_experts)])
         return out
+
+    @property
+    def _renamed_back(self) -> dict[str, str]:
+        return {theirs: ours for ours, theirs in self.renames.items()}
 
     # --- config.json -----------------------------------------------------------------------------
 
@@ -253,7 +287,9 @@ class Family:
 LM_HEAD = "lm_head.weight"
 _LAYER_WEIGHT = re.compile(r"(layers\.\d+)\.(.+)\.weight")
 OPTIONAL_SETTINGS = frozenset({"sliding_window", "layer_types", "local_rope_theta", "query_pre_attn_scalar",
-                               "attn_logit_softcapping", "final_logit_softcapping"})
+                               "attn_logit_softcapping", "final_logit_softcapping", "kv_lora_rank", "q_lora_rank",
+                               "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave", "n_group",
+                               "topk_group", "routed_scaling_factor"})
 """ModelConfig fields only some families have."""
 
 
@@ -268,6 +304,14 @@ def required(hf: dict, key: str, where: str) -> Any:
     if key not in hf:
         raise CheckpointError(f"{where}: required key {key!r} is missing")
     return hf[key]
+
+
+def _rename(name: str, renames: dict[str, str]) -> str:
+    """``layers.N.{a}...`` -> ``layers.N.{b}...`` for the first (a -> b) of ``renames`` that fits."""
+    for a, b in renames.items():
+        if f".{a}" in name:
+            return name.replace(f".{a}", f".{b}", 1)
+    return name
 
 
 def _per_expert(value, num_experts: int) -> dict:

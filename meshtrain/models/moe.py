@@ -23,7 +23,9 @@ its tokens per expert for the step's load metrics.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -92,27 +94,55 @@ def capacity_mask(indices: torch.Tensor, num_experts: int, capacity: int) -> tor
 
 
 class Router(nn.Module):
-    """HF's ``mlp.gate``: a bias-free linear map from hidden states to one logit per expert."""
+    """HF's ``mlp.gate``: a bias-free linear map from hidden states to one logit per expert, and the
+    family's scoring (``Family.router_scoring``): softmax over the experts, or DeepSeek-V3's
+    independent sigmoids, computed in fp32 as transformers does, with group-limited choice
+    (``n_group`` > 1: only the ``topk_group`` groups whose two best scores sum highest) and
+    ``routed_scaling_factor`` on the weights."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        family = cfg.definition
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         self.top_k = cfg.num_experts_per_tok
-        self.normalize = cfg.norm_topk_prob or cfg.definition.topk_always_normalized
-        # Aux-loss-free balancing: persistent (it is training state), updated outside autograd.
-        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts), persistent=cfg.router_bias_update_rate > 0)
+        self.normalize = cfg.norm_topk_prob or family.topk_always_normalized
+        self.sigmoid = family.router_scoring == "sigmoid"
+        self.groups, self.top_groups, self.weight_scale = cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor
+        # Aux-loss-free balancing: persistent (it is training state, and DeepSeek-V3's checkpoints
+        # carry it as e_score_correction_bias), updated outside autograd.
+        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts),
+                             persistent=cfg.router_bias_update_rate > 0 or "mlp.gate.expert_bias" in family.hf_buffers)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [tokens, hidden] -> router probabilities [tokens, E] (fp32), top-k weights and indices."""
-        probs = F.linear(x, self.weight).float().softmax(dim=-1)
-        if self.expert_bias.any():
-            indices = torch.topk(probs + self.expert_bias, self.top_k, dim=-1).indices
-            weights = probs.gather(-1, indices)
+        """x [tokens, hidden] -> router probabilities [tokens, E] (fp32; what the balancing loss
+        averages: the softmax, or the sigmoid scores normalised over the experts), top-k weights and
+        indices."""
+        if self.sigmoid:
+            scores = F.linear(x.float(), self.weight.float()).sigmoid()
+            probs = scores / scores.sum(dim=-1, keepdim=True)
         else:
-            weights, indices = torch.topk(probs, self.top_k, dim=-1)
+            scores = probs = F.linear(x, self.weight).float().softmax(dim=-1)
+        if self.sigmoid or self.expert_bias.any():
+            indices = torch.topk(self.limit_to_groups(scores + self.expert_bias), self.top_k, dim=-1).indices
+            weights = scores.gather(-1, indices)
+        else:
+            weights, indices = torch.topk(scores, self.top_k, dim=-1)
         if self.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            # the sigmoid's weights may all be tiny: transformers' epsilon keeps the sum off zero
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if self.sigmoid else 0.0))
+        if self.weight_scale != 1.0:
+            weights = weights * self.weight_scale
         return probs, weights.to(x.dtype), indices
+
+    def limit_to_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """``choice`` [tokens, E] with the experts outside each token's best ``top_groups`` groups at
+        -inf; a group's score is the sum of its two best experts' (DeepSeek-V3)."""
+        if self.groups == 1:
+            return choice
+        grouped = choice.view(choice.shape[0], self.groups, -1)
+        best = torch.topk(grouped.topk(2, dim=-1).values.sum(dim=-1), self.top_groups, dim=-1).indices
+        keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
 
 
 class Experts(nn.Module):
@@ -180,6 +210,9 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 
 
 class MoE(nn.Module):
+    recording = True
+    """Whether a forward adds to the step's statistics (``statistics_paused``)."""
+
     def __init__(self, cfg: ModelConfig, shared_expert: nn.Module | None = None):
         """``shared_expert``: a dense MLP every token also goes through (the model builds it)."""
         super().__init__()
@@ -222,7 +255,8 @@ class MoE(nn.Module):
         combined = torch.zeros_like(flat).index_add_(0, token_of_copy, out)
         if self.shared_expert is not None:
             combined = combined + self.shared_expert(flat)
-        recompute = torch._C._current_graph_task_id() != -1  # activation checkpointing, in backward
+        # activation checkpointing's recomputation in backward, or a pipeline stage's shape inference
+        recompute = torch._C._current_graph_task_id() != -1 or not self.recording
         if not recompute and self.training:  # training's load; evaluation leaves it (and bias balancing) alone
             with torch.no_grad():
                 self.tokens_per_expert += routed.to(self.tokens_per_expert.dtype)  # routed, dropped or not
@@ -265,3 +299,16 @@ class MoE(nn.Module):
         return {"": PrepareModuleInputOutput(
             input_layouts=(tp.residual,), desired_input_layouts=(Shard(1),), use_local_input=True,
             output_layouts=(Shard(1),), desired_output_layouts=(tp.residual,), use_local_output=True)}
+
+
+@contextlib.contextmanager
+def statistics_paused(model: nn.Module) -> Iterator[None]:
+    """Forwards of ``model`` inside leave its MoE layers' statistics (load, aux loss) alone."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for m in layers:
+        m.recording = False
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.recording = True

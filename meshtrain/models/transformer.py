@@ -21,58 +21,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Replicate
 
-from meshtrain.models.config import ModelConfig, RopeScalingConfig
+from meshtrain.models.config import ModelConfig
+from meshtrain.models.rope import apply_rope, rope_tables
 from meshtrain.models.checkpointing import run_layer
 from meshtrain.models import documents
 from meshtrain.models.moe import MoE
 
 if TYPE_CHECKING:
     from meshtrain.parallel.styles import TensorParallelStyles
-
-
-def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScalingConfig) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    if scaling.type == "llama3":
-        # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
-        low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
-        high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
-            scaling.high_freq_factor - scaling.low_freq_factor
-        )
-        blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-        inv_freq = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        inv_freq = torch.where(medium, blended, inv_freq)
-    elif scaling.type == "linear":
-        inv_freq = inv_freq / scaling.factor
-    return inv_freq.float()
-
-
-def rope_tables(cfg: ModelConfig, device: torch.device | str | None = None,
-                local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, [max_position_embeddings, head_dim], halves duplicated (rotate-half layout).
-    ``local``: the sliding-window layers' own table (``model.local_rope_theta``, no scaling)."""
-    theta, scaling = (cfg.local_rope_theta, RopeScalingConfig()) if local else (cfg.rope_theta, cfg.rope_scaling)
-    inv_freq = rope_inverse_frequencies(cfg.resolved_head_dim, theta, scaling)
-    positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
-    angles = torch.outer(positions, inv_freq)
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(device), angles.sin().to(device)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [batch, seq, heads, head_dim]; cos/sin: [seq, head_dim], or [batch, seq, head_dim] when each
-    token has its own position (documents restarting theirs)."""
-    if cos.dim() == 2:
-        cos, sin = cos[None], sin[None]
-    cos, sin = cos[:, :, None, :].to(x.dtype), sin[:, :, None, :].to(x.dtype)
-    return x * cos + _rotate_half(x) * sin
 
 
 class RMSNorm(nn.Module):

@@ -10,14 +10,16 @@ CUDA memory snapshots only as ``torch.cuda.memory._record_memory_history`` / ``_
 and the number of graphs torch.compile made only as dynamo's ``counters``, and an all-gather
 whose backward reduce-scatters on any backend only as ``_functional_collectives.all_gather_single``,
 and the live process groups only as c10d's ``_world``, and DTensor's caches keyed by mesh equality only
-as the caches of ``_redistribute``, the sharding propagator and ``MeshTopoInfo`` (checked against torch
-2.13.0). Everything else goes through this file, so a torch upgrade that makes them public (or
+as the caches of ``_redistribute``, the sharding propagator and ``MeshTopoInfo``, and the forward a
+pipeline stage runs only to learn its shapes only as ``PipelineStage._forward_metadata_inference``
+(checked against torch 2.13.0). Everything else goes through this file, so a torch upgrade that makes them public (or
 changes them) is a one-file change.
 """
 
 from __future__ import annotations
 
 import datetime
+from typing import Callable, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -113,3 +115,23 @@ def subgroups() -> list[dist.ProcessGroup]:
     from torch.distributed.distributed_c10d import _world
 
     return [group for group in _world.pg_map if group is not dist.GroupMember.WORLD]
+
+
+METADATA_INFERENCE = ("_forward_metadata_inference", "_shape_inference")
+"""PipelineStage's methods that run the stage's forward only to learn its shapes: torch 2.13's
+dynamic metadata inference runs the first micro-batch once more, past the first stage on empty
+tensors (``_shape_inference`` in earlier releases)."""
+
+
+def pipeline_stage_class(around_inference: Callable[[torch.nn.Module], ContextManager]) -> type:
+    """PipelineStage, with ``around_inference(its module)`` entered around that shape-inference forward."""
+    from torch.distributed.pipelining import PipelineStage
+
+    def override(name: str):
+        def method(self, *args, **kwargs):
+            with around_inference(self.submod):
+                return getattr(PipelineStage, name)(self, *args, **kwargs)
+        return method
+
+    return type("PipelineStage", (PipelineStage,),
+                {name: override(name) for name in METADATA_INFERENCE if hasattr(PipelineStage, name)})

@@ -24,11 +24,16 @@ from collections.abc import Callable
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
+from meshtrain.parallel._torch_private import pipeline_stage_class
 from meshtrain.parallel.layout import V_SCHEDULES
+from meshtrain.models.moe import statistics_paused
 from meshtrain.models.transformer import Transformer
+
+PipelineStage = pipeline_stage_class(statistics_paused)
+"""torch's, whose extra forward to learn a stage's shapes (on the first step) leaves the experts'
+load statistics, and so the aux-loss-free routing biases, alone."""
 
 
 def stage_ids_for_rank(pp_rank: int, pp: int, vpp: int, schedule: str) -> list[int]:

@@ -147,7 +147,9 @@ def shape_from_model_config(m: ModelConfig, name: str) -> ModelShape:
                    shared_expert_intermediate_size=m.shared_expert_intermediate_size,
                    dense_layers=tuple(i for i in range(m.num_hidden_layers) if not m.is_sparse_layer(i)))
     return ModelShape(name=name, vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_layers=m.num_hidden_layers,
-                      num_heads=m.num_attention_heads, num_kv_heads=m.num_key_value_heads, head_dim=m.resolved_head_dim,
+                      # a head's query/key dims: what its q, k (and v, padded to them under latent attention) hold
+                      num_heads=m.num_attention_heads, num_kv_heads=m.num_key_value_heads,
+                      head_dim=m.definition.attention_dims(m)[0],
                       intermediate_size=m.intermediate_size, tied=m.tie_word_embeddings, qk_norm=m.definition.qk_norm,
                       max_position_embeddings=m.max_position_embeddings, model=m, **moe)
 

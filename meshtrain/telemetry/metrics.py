@@ -1,9 +1,10 @@
 """Per-step metrics: throughput, FLOPs and MFU, memory, and where they are written.
 
 FLOPs per token follow the PaLM appendix B accounting used by Megatron and torchtitan:
-6 * (non-embedding parameters) for the matmuls of forward + backward, plus 12 * layers * heads *
-head_dim * seq_len for attention scores and values (a sliding-window layer: its window, when shorter). MFU divides the achieved FLOP/s per device by
-the device's peak, given by ``logging.peak_tflops`` or looked up from the CUDA device name.
+6 * (non-embedding parameters) for the matmuls of forward + backward, plus per layer 6 * heads *
+(query/key dims + value dims of a head) * seq_len for attention scores and values (12 * heads *
+head_dim where both are head_dim; a sliding-window layer: its window, when shorter). MFU divides
+the achieved FLOP/s per device by the device's peak, given by ``logging.peak_tflops`` or looked up from the CUDA device name.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, num_params: int) -> float:
         dense = num_params
     # Each query meets seq_len keys (PaLM's count, causal or not), or its window's on a local layer.
     spans = sum(min(seq_len, cfg.definition.sliding_window(cfg, i) or seq_len) for i in range(cfg.num_hidden_layers))
-    attention = 12 * cfg.num_attention_heads * cfg.resolved_head_dim * spans
+    qk_dim, v_dim = cfg.definition.attention_dims(cfg)  # latent attention: 192 and 128 in DeepSeek-V3
+    attention = 6 * cfg.num_attention_heads * (qk_dim + v_dim) * spans
     return 6 * dense + attention
 
 
