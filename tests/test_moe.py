@@ -323,6 +323,34 @@ def test_convert_round_trip_is_bit_exact(tmp_path, family):
         torch.testing.assert_close(again(tokens).logits, hf(tokens).logits)
 
 
+@pytest.mark.parametrize("how", ["mtp-layer", "fp8"])
+def test_deepseek_v3_release_quirks_are_refused_naming_them(tmp_path, how):
+    """DeepSeek's released checkpoints carry a multi-token-prediction layer (model.layers.61) and FP8
+    weights: the import names each and the fix, before any rank reads a tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from meshtrain.config import ModelConfig
+    from meshtrain.errors import CheckpointError
+    from meshtrain.hf.adapter import resolve_init_from_hf
+    from tests.hf_models import imported
+
+    _, directory = hf_dir(tmp_path, "deepseek_v3")
+    if how == "mtp-layer":
+        (file,) = directory.glob("*.safetensors")
+        tensors = load_file(file)
+        tensors |= {k.replace("layers.2.", "layers.3."): v.clone() for k, v in tensors.items() if "layers.2." in k}
+        tensors["model.layers.3.eh_proj.weight"] = torch.zeros(48, 96)
+        save_file(tensors, file)
+        with pytest.raises(CheckpointError, match=r"tensors of model.layers.3, the multi-token prediction module.*Fix"):
+            imported(directory)
+    else:
+        config = json.loads((directory / "config.json").read_text())
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+        (directory / "config.json").write_text(json.dumps(config))
+        with pytest.raises(CheckpointError, match=r"quant_method='fp8'.*Fix: dequantize"):
+            resolve_init_from_hf(ModelConfig(init_from_hf=str(directory)))
+
+
 SHARDED_IMPORTS = {  # name: (ranks, family, layout, HF config); the experts sharded by FSDP, EP and ETP
     "mixtral-fsdp2": (2, "mixtral", [], {}),
     "qwen3_moe-ep2": (2, "qwen3_moe", ["--parallel.ep", "2"], {}),

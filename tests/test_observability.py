@@ -118,3 +118,19 @@ def test_a_dashboard_whose_package_is_missing_is_refused_before_training(monkeyp
     with pytest.raises(ConfigError, match=r"wandb package is not installed. Fix: pip install 'meshtrain\[wandb\]'"):
         check_installed(LoggingConfig(wandb_project="p"))
     check_installed(LoggingConfig(tensorboard=True))
+
+
+def test_flops_per_token_count_each_head_s_query_key_and_value_dims():
+    """PaLM's count: 6 x the matmul parameters a token meets, plus 6 x heads x (q/k dims + v dims) x
+    the keys each query meets, per layer. Latent attention's heads are 192 (q/k) and 128 (v) wide
+    in DeepSeek-V3, whatever hidden / heads says; a Llama's are head_dim both."""
+    from meshtrain.config import ModelConfig
+    from meshtrain.hf.adapter import model_config_from_hf
+    from meshtrain.telemetry.metrics import flops_per_token
+
+    llama = ModelConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=100)
+    params = 10_000
+    assert flops_per_token(llama, 32, params) == 6 * (params - 100 * 64) + 12 * 4 * 16 * 32 * 2
+    deepseek, _ = model_config_from_hf(json.loads((ROOT / "tests/model_configs/deepseek-ai-DeepSeek-V3.json").read_text()))
+    active = 37_552_000_000
+    assert flops_per_token(deepseek, 4096, active) == 6 * (active - 129280 * 7168) + 6 * 128 * (192 + 128) * 4096 * 61

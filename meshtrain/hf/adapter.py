@@ -203,7 +203,13 @@ def resolve_init_from_hf(model: ModelConfig) -> ModelConfig:
     else than both the default and the checkpoint is an error: the weights decide the architecture."""
     directory = model.init_from_hf
     where = str(pathlib.Path(directory) / "config.json")
-    loaded, _ = model_config_from_hf(read_hf_config(directory), where)
+    hf = read_hf_config(directory)
+    loaded, _ = model_config_from_hf(hf, where)
+    quantized = (hf.get("quantization_config") or {}).get("quant_method")
+    if quantized is not None and quantized not in loaded.definition.quantizations:
+        raise CheckpointError(f"{where}: quantization_config.quant_method={quantized!r}: the weights are quantized, and "
+                              "meshtrain imports float32, bfloat16 or float16 weights. Fix: dequantize the checkpoint "
+                              "first (DeepSeek's inference/fp8_cast_bf16.py writes a bf16 copy of its fp8 releases)")
     mine, default = architecture_fields(model), architecture_fields(ModelConfig())
     for name, theirs in architecture_fields(loaded).items():
         if mine[name] != default[name] and mine[name] != theirs:

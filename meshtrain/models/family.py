@@ -73,6 +73,9 @@ class Family:
     renames: dict[str, str] = {}
     """Names inside a layer that the checkpoint spells otherwise: meshtrain's -> its (a leading part
     of the name: DeepSeek-V3's ``mlp.shared_experts.`` for meshtrain's ``mlp.shared_expert.``)."""
+    quantizations: frozenset[str] = frozenset()
+    """config.json's ``quantization_config.quant_method`` values whose weights the import dequantizes
+    (another is refused, naming it)."""
     hf_buffers: frozenset[str] = frozenset()
     """Buffers (by their name in a layer) that the checkpoint holds beside the parameters
     (DeepSeek-V3's routing bias, ``mlp.gate.expert_bias``)."""
