@@ -62,6 +62,15 @@ FAMILIES = {  # family: (transformers config class, its tiny config)
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
                          "mscale_all_dim": 0.8, "original_max_position_embeddings": 32},
         bos_token_id=1, eos_token_id=2)),
+    # sinks, biases everywhere, a window (8) shorter than the tests' sequences on alternate layers, YaRN
+    # (not truncated), 4 experts top-2 with interleaved gate/up, a limit (0.1) that the clamp meets often
+    "gpt_oss": ("GptOssConfig", dict(
+        vocab_size=383, hidden_size=48, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
+        swiglu_limit=0.1, max_position_embeddings=128,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32},
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)),
     "mixtral": ("MixtralConfig", dict(
         vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128)),
@@ -85,10 +94,12 @@ def hf_model(family: str, dtype=torch.float32, seed: int = 0, **overrides):
         for name, p in model.named_parameters():
             if "norm" in name:  # norm weights start at one
                 p.add_(torch.randn_like(p) * 0.1)
-            if name.endswith(".bias"):  # biases start at zero
+            if name.endswith("bias"):  # biases start at zero (gpt-oss: its experts' *_proj_bias too)
                 p.normal_(0.0, 0.1)
-            if name.endswith("gate.weight"):  # MoE routers: random, so that every expert gets tokens
+            if name.endswith(("gate.weight", "router.weight")):  # MoE routers: random, so every expert gets tokens
                 p.normal_(0.0, 0.5)
+            if name.endswith("sinks"):  # attention sinks: large enough to take a visible share
+                p.normal_(0.0, 1.0)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias starts at zero
                 b.normal_(0.0, 0.1)

@@ -56,7 +56,17 @@ DEEPSEEK_V3 = (*NEW_FAMILY_STEPS, "--model.family", "deepseek_v3", "--model.kv-l
                "--model.mlp-only-layers", "0", "--model.router-bias-update-rate", "0.01",
                "--model.rope-scaling.type", "yarn", "--model.rope-scaling.factor", "4",
                "--model.rope-scaling.original-max-position-embeddings", "16", "--model.rope-scaling.mscale-all-dim", "0.8")
+GPT_OSS = (*NEW_FAMILY_STEPS, "--model.family", "gpt_oss", "--model.num-experts", "4", "--model.num-experts-per-tok", "2",
+           "--model.moe-intermediate-size", "32", "--model.sliding-window", "8", "--model.swiglu-limit", "0.5",
+           "--model.rope-scaling.type", "yarn", "--model.rope-scaling.factor", "4", "--model.rope-scaling.truncate", "False",
+           "--model.rope-scaling.original-max-position-embeddings", "16")
 EP2, SP2 = ("--parallel.ep", "2"), ("--parallel.tp", "2", "--parallel.sp", "True")
+
+
+def expert_layouts(pp_model: tuple[str, ...]) -> dict:
+    """Beside every_layout's: ep2, ep2 x etp2, tp2+SP x ep2 and the 8-rank pp2 x dp2 x tp2+SP x ep2."""
+    return {"ep2": (2, EP2, ()), "ep2-etp2": (4, (*EP2, "--parallel.etp", "2"), ()), "tp2-sp-ep2": (2, (*SP2, *EP2), ()),
+            "pp2-dp2-tp2-sp-ep2": (8, ("--parallel.pp", "2", *SP2, *EP2), pp_model)}
 
 
 def every_layout(pp_model: tuple[str, ...], *names: str) -> dict:
@@ -98,9 +108,11 @@ FAMILY_LAYOUTS = {  # family: (model options over TINY, {layout: (ranks, paralle
     # latent attention (tp: per-head projections split, the latent ones whole; cp: the ring with values
     # padded to the query dims), YaRN, a dense first layer, sigmoid group-limited routing with a shared
     # expert and the routing bias updated every step, under every layout and the expert ones
-    "deepseek_v3": (DEEPSEEK_V3, every_layout(PP_MODEL, "dp2", "tp2-sp", "pp2", "cp2") | {
-        "ep2": (2, EP2, ()), "ep2-etp2": (4, (*EP2, "--parallel.etp", "2"), ()), "tp2-sp-ep2": (2, (*SP2, *EP2), ()),
-        "pp2-dp2-tp2-sp-ep2": (8, ("--parallel.pp", "2", *SP2, *EP2), PP_MODEL)}),
+    "deepseek_v3": (DEEPSEEK_V3, every_layout(PP_MODEL, "dp2", "tp2-sp", "pp2", "cp2") | expert_layouts(PP_MODEL)),
+    # sinks (computed on materialised scores: under cp against every rank's gathered keys; under tp
+    # each rank's heads' sinks), q/k/v/o biases, a window of 8 on alternate layers, interleaved gate/up
+    # experts with biases (etp: whole gate/up column pairs; the down bias beside the router)
+    "gpt_oss": (GPT_OSS, every_layout(PP_MODEL, "dp2", "tp2-sp", "pp2", "cp2") | expert_layouts(PP_MODEL)),
 }
 """Families other than Llama (tests/test_parallel.py's full matrix) and the MoE families
 (tests/test_moe.py's), each on a few layouts chosen for what the family adds."""

@@ -21,7 +21,7 @@ CASES = {"llama": ("llama", {}), "qwen3": ("qwen3", {}), "llama-tied": ("llama",
          "mistral-no-window": ("mistral", {"sliding_window": None}), "gemma3": ("gemma3", {}),
          "gemma2": ("gemma2", {}), "phi3": ("phi3", {}), "phi3-tied-no-window": ("phi3", {"tie_word_embeddings": True,
                                                                                       "sliding_window": None}),
-         "deepseek_v3": ("deepseek_v3", {}),
+         "deepseek_v3": ("deepseek_v3", {}), "gpt_oss": ("gpt_oss", {}),
          # Qwen2.5's long-context setting (its model cards: YaRN, factor 4), the tests' sequences past the original
          "qwen2-yarn": ("qwen2", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
                                                       "original_max_position_embeddings": 32}})}
@@ -221,7 +221,7 @@ def test_export_never_overwrites_and_a_failed_one_leaves_no_complete_looking_dir
     assert not (tmp_path / "out.incomplete").exists()
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mistral", "phi3", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "phi3", "deepseek_v3", "gpt_oss"])
 def test_convert_round_trip_of_a_new_family_is_exact(family, tmp_path):
     """``meshtrain convert`` HF -> DCP -> HF in one process (tests/test_checkpoint_parallel.py does it
     on several ranks for qwen3): the same bytes, biases, explicit head_dim and fused tensors included."""

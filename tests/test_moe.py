@@ -24,7 +24,8 @@ from tests.parity import (COMPILED_RTOL, LOSS_RTOL, MOE_ARGS, TINY, TINY_NO_MODE
                                        ("mixtral", {}), ("deepseek_v3", {}),
                                        ("deepseek_v3", {"q_lora_rank": None, "rope_interleave": False,
                                                         "norm_topk_prob": False, "first_k_dense_replace": 0,
-                                                        "rope_parameters": {"rope_type": "default"}})])
+                                                        "rope_parameters": {"rope_type": "default"}}),
+                                       ("gpt_oss", {})])
 def test_logits_equal_transformers(tmp_path, family, kw):
     hf, directory = hf_dir(tmp_path, family, **kw)
     ours = meshtrain_from(directory)
@@ -37,7 +38,7 @@ def test_logits_equal_transformers(tmp_path, family, kw):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"])
 def test_names_and_config_round_trip_bit_exact(tmp_path, family):
     _, directory = hf_dir(tmp_path, family)
     stored = read_tensors(directory)

@@ -128,8 +128,8 @@ def test_dense_family_configs_plan_the_tensors_transformers_builds(family, tmp_p
 
 
 def test_an_architecture_meshtrain_cannot_train_is_planned_by_size_instead(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GptOssForCausalLM"], "hidden_size": 64}))
-    with pytest.raises(ConfigError, match=r"GptOssForCausalLM.*not supported.*Fix: plan it by size instead"):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["FalconForCausalLM"], "hidden_size": 64}))
+    with pytest.raises(ConfigError, match=r"FalconForCausalLM.*not supported.*Fix: plan it by size instead"):
         plan(model=str(tmp_path), gpus=8)
 
 

@@ -156,6 +156,9 @@ def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype, base: dict | None
     """meshtrain's ModelConfig -> a transformers 5 config.json dict. ``base`` (the config.json the
     weights came from) contributes what meshtrain does not model, such as token ids."""
     rope = rope_to_hf(cfg)
+    source_rope = (base or {}).get("rope_parameters")
+    if source_rope and _rope_from_hf({"rope_parameters": source_rope}, "") == (cfg.rope_theta, cfg.rope_scaling):
+        rope = source_rope  # the same RoPE: its own spelling (optional keys written or not) kept
     family = cfg.definition
     ours = {
         "architectures": [family.architecture],
@@ -174,7 +177,8 @@ def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype, base: dict | None
         "initializer_range": cfg.init_std,
         "dtype": DTYPE_NAMES[dtype],
     } | family.config_to_hf(cfg)
-    legacy = {"rope_theta", "rope_scaling", "torch_dtype", "transformers_version", "_name_or_path"}
+    # and quantization_config: meshtrain writes the weights unquantized, whatever the source held
+    legacy = {"rope_theta", "rope_scaling", "torch_dtype", "transformers_version", "_name_or_path", "quantization_config"}
     kept = {k: v for k, v in (base or {}).items() if k not in legacy and k not in ours}
     return {**family.config_defaults, **kept, **ours}
 

@@ -183,7 +183,8 @@ def expert_pieces(stacked: torch.Tensor) -> dict[int, torch.Tensor] | torch.Tens
 def _hf_state(part: Transformer, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The part's weights under their Hugging Face names (LoRA adapters are not in a HF model:
     hf/peft.py writes them)."""
-    return to_hf({n: expert_pieces(p.detach()) if ".experts." in n else p.detach()
+    per_expert = cfg.definition.experts is not None and not cfg.definition.experts.stacked
+    return to_hf({n: expert_pieces(p.detach()) if per_expert and ".experts." in n else p.detach()
                   for n, p in cfg.definition.checkpoint_tensors(part) if not is_adapter(n)}, cfg)
 
 

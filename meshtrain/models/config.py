@@ -128,6 +128,10 @@ class ModelConfig:
     """Group-limited routing: the groups each token's experts come from (DeepSeek-V3: 4)."""
     routed_scaling_factor: float = 1.0
     """The routed experts' weights are multiplied by this (DeepSeek-V3: 2.5)."""
+    swiglu_alpha: float = 1.702
+    """GPT-OSS's clamped SwiGLU: (up + 1) * gate * sigmoid(swiglu_alpha * gate)."""
+    swiglu_limit: float = 7.0
+    """GPT-OSS's clamped SwiGLU: gate clamped above, up on both sides, at this value."""
 
     @property
     def resolved_head_dim(self) -> int:

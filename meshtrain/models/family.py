@@ -34,6 +34,8 @@ class ExpertNames:
     block: str = "mlp"
     names: dict[str, str] = field(default_factory=lambda: {"gate_proj": "gate_proj", "up_proj": "up_proj",
                                                            "down_proj": "down_proj"})
+    stacked: bool = False
+    """The checkpoint holds the experts stacked as meshtrain does, under meshtrain's names (GPT-OSS)."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,10 @@ class Family:
     """RMSNorm on each head's queries and keys before RoPE (Qwen3)."""
     attention_bias: bool = False
     """Biases on the q/k/v projections (Qwen2); o_proj has none."""
+    output_bias: bool = False
+    """A bias on o_proj too (GPT-OSS)."""
+    attention_sinks: bool = False
+    """A learned logit per head in each attention softmax's denominator (GPT-OSS's sinks)."""
     windowed: bool = False
     """Every layer's attention is local over ``model.sliding_window`` tokens when that is set (Mistral)."""
     offset_norm: bool = False
@@ -69,7 +75,12 @@ class Family:
     topk_always_normalized: bool = False
     """The top-k routing weights sum to one whatever ``norm_topk_prob`` says (Mixtral)."""
     router_scoring: str = "softmax"
-    """How the router scores the experts: "softmax" over them, or "sigmoid" each (DeepSeek-V3)."""
+    """How the router scores the experts: "softmax" over them, "topk_softmax" over the chosen
+    ones' logits (GPT-OSS), or "sigmoid" each (DeepSeek-V3)."""
+    router_bias: bool = False
+    """A bias on the router's logits (GPT-OSS)."""
+    expert_biases: bool = False
+    """Biases on the experts' projections (GPT-OSS)."""
     renames: dict[str, str] = {}
     """Names inside a layer that the checkpoint spells otherwise: meshtrain's -> its (a leading part
     of the name: DeepSeek-V3's ``mlp.shared_experts.`` for meshtrain's ``mlp.shared_expert.``)."""
@@ -145,7 +156,8 @@ class Family:
         from meshtrain.models.transformer import Attention
         window = self.sliding_window(cfg, layer)
         return Attention(cfg, bias=self.attention_bias, qk_norm=self.norm_type if self.qk_norm else None,
-                         sliding_window=window, local_rope=window is not None and cfg.local_rope_theta is not None)
+                         sliding_window=window, local_rope=window is not None and cfg.local_rope_theta is not None,
+                         output_bias=self.output_bias, sinks=self.attention_sinks)
 
     def sliding_window(self, cfg: ModelConfig, layer: int) -> int | None:
         """The window of layer ``layer``'s attention, or None for full causal attention."""
@@ -153,9 +165,15 @@ class Family:
 
     def needs_masked_attention(self, cfg: ModelConfig, seq_len: int) -> bool:
         """Whether attention is more than causal SDPA at ``seq_len``: some layer's window is shorter, or
-        scores are soft-capped (context parallelism then takes its masked route, parallel/context.py)."""
+        scores are soft-capped, or sinks join the softmax (context parallelism then takes its masked
+        route, parallel/context.py)."""
         windowed = any((self.sliding_window(cfg, i) or seq_len) < seq_len for i in range(cfg.num_hidden_layers))
-        return windowed or cfg.attn_logit_softcapping is not None
+        return windowed or cfg.attn_logit_softcapping is not None or self.attention_sinks
+
+    def experts_module(self, cfg: ModelConfig) -> nn.Module:
+        """An MoE layer's stacked experts."""
+        from meshtrain.models.moe import Experts
+        return Experts(cfg)
 
     def mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
         from meshtrain.models.moe import MoE
@@ -204,7 +222,7 @@ class Family:
                 name = "embed_tokens.weight"  # a pipeline's last stage: its head is the embedding's copy
             if self.experts is not None and (".mlp.gate." in name or ".mlp.experts." in name):
                 prefix, rest = name.split(".mlp.", 1)
-                if rest.startswith("experts."):
+                if rest.startswith("experts.") and not self.experts.stacked:
                     kind = rest.removeprefix("experts.")
                     for e, v in _per_expert(value, cfg.num_experts).items():
                         out[f"model.{prefix}.{self.experts.block}.experts.{e}.{self.experts.names[kind]}.weight"] = v
@@ -262,7 +280,7 @@ class Family:
                 for part, rows in zip(parts, value.split([self.part_rows(cfg, p) for p in parts])):
                     out[f"{m[1]}.{part}.weight"] = rows
                 continue
-            if self.experts is not None and f".{block}.experts." in name:
+            if self.experts is not None and not self.experts.stacked and f".{block}.experts." in name:
                 prefix, rest = name.split(f".{block}.experts.", 1)
                 index, hf_kind, _ = rest.split(".")
                 experts.setdefault((prefix, kinds[hf_kind]), {})[int(index)] = value
@@ -292,7 +310,7 @@ _LAYER_WEIGHT = re.compile(r"(layers\.\d+)\.(.+)\.weight")
 OPTIONAL_SETTINGS = frozenset({"sliding_window", "layer_types", "local_rope_theta", "query_pre_attn_scalar",
                                "attn_logit_softcapping", "final_logit_softcapping", "kv_lora_rank", "q_lora_rank",
                                "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave", "n_group",
-                               "topk_group", "routed_scaling_factor"})
+                               "topk_group", "routed_scaling_factor", "swiglu_alpha", "swiglu_limit"})
 """ModelConfig fields only some families have."""
 
 

@@ -94,11 +94,12 @@ def capacity_mask(indices: torch.Tensor, num_experts: int, capacity: int) -> tor
 
 
 class Router(nn.Module):
-    """HF's ``mlp.gate``: a bias-free linear map from hidden states to one logit per expert, and the
-    family's scoring (``Family.router_scoring``): softmax over the experts, or DeepSeek-V3's
-    independent sigmoids, computed in fp32 as transformers does, with group-limited choice
-    (``n_group`` > 1: only the ``topk_group`` groups whose two best scores sum highest) and
-    ``routed_scaling_factor`` on the weights."""
+    """HF's ``mlp.gate``: a linear map from hidden states to one logit per expert (with a bias where
+    the family has one, GPT-OSS), and the family's scoring (``Family.router_scoring``): softmax over
+    the experts; softmax over the top-k logits only (GPT-OSS); or DeepSeek-V3's independent
+    sigmoids, computed in fp32 as transformers does, with group-limited choice (``n_group`` > 1:
+    only the ``topk_group`` groups whose two best scores sum highest) and ``routed_scaling_factor``
+    on the weights."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -106,7 +107,8 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         self.top_k = cfg.num_experts_per_tok
         self.normalize = cfg.norm_topk_prob or family.topk_always_normalized
-        self.sigmoid = family.router_scoring == "sigmoid"
+        self.bias = nn.Parameter(torch.empty(cfg.num_experts)) if family.router_bias else None
+        self.sigmoid, self.topk_softmax = family.router_scoring == "sigmoid", family.router_scoring == "topk_softmax"
         self.groups, self.top_groups, self.weight_scale = cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor
         # Aux-loss-free balancing: persistent (it is training state, and DeepSeek-V3's checkpoints
         # carry it as e_score_correction_bias), updated outside autograd.
@@ -120,6 +122,11 @@ class Router(nn.Module):
         if self.sigmoid:
             scores = F.linear(x.float(), self.weight.float()).sigmoid()
             probs = scores / scores.sum(dim=-1, keepdim=True)
+        elif self.topk_softmax:  # the weights are the softmax of the chosen logits alone
+            logits = F.linear(x, self.weight, self.bias)
+            indices = torch.topk(logits.float() + self.expert_bias, self.top_k, dim=-1).indices
+            weights = logits.gather(-1, indices).softmax(dim=-1)
+            return logits.float().softmax(dim=-1), weights.to(x.dtype), indices
         else:
             scores = probs = F.linear(x, self.weight).float().softmax(dim=-1)
         if self.sigmoid or self.expert_bias.any():
@@ -149,6 +156,10 @@ class Experts(nn.Module):
     """E SwiGLU experts as stacked weights: gate_proj/up_proj [E, I, hidden], down_proj [E, hidden, I]."""
 
     PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+    ETP_DIMS = {"gate_proj": 1, "up_proj": 1, "down_proj": 2}
+    """The dim of each stacked weight that expert tensor parallelism splits: the FFN width."""
+    adaptable = True
+    """Whether LoRA can put adapters on the projections (models/lora.py's LoRAExperts)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -219,7 +230,11 @@ class MoE(nn.Module):
         self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
         self.capacity_factor = cfg.capacity_factor
         self.gate = Router(cfg)
-        self.experts = Experts(cfg)
+        self.experts = cfg.definition.experts_module(cfg)
+        # GPT-OSS: each expert's down_proj bias, kept beside the router (whole on every rank, like
+        # it) rather than with its expert: added to the expert's output before the routing weight
+        self.expert_output_bias = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size)) \
+            if cfg.definition.expert_biases else None
         self.shared_expert = shared_expert
         moe_layers = sum(cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers))
         self.aux_coef = cfg.router_aux_loss_coef / max(1, moe_layers)
@@ -251,6 +266,8 @@ class MoE(nn.Module):
             order, counts = torch.argsort(expert_of_copy, stable=True), routed
         token_of_copy = order // self.top_k
         out = self.experts(flat[token_of_copy], counts)
+        if self.expert_output_bias is not None:
+            out = out + self.expert_output_bias[expert_of_copy[order]]
         out = out * weights.reshape(-1, 1)[order]
         combined = torch.zeros_like(flat).index_add_(0, token_of_copy, out)
         if self.shared_expert is not None:

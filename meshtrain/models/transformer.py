@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate
 
 from meshtrain.models.config import ModelConfig
 from meshtrain.models.rope import apply_rope, rope_tables
@@ -64,29 +64,50 @@ def sliding_window_mask(mask: torch.Tensor | None, seq: int, window: int, device
     return band if mask is None else mask & band
 
 
-def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                         scale: float, cap: float) -> torch.Tensor:
-    """Attention with scores soft-capped before the mask, cap * tanh(score / cap) (Gemma 2), which no
-    SDPA kernel does: the [heads, seq, seq] scores are materialised, softmax in fp32 as transformers'
-    eager attention. q [batch, heads, seq, head_dim], k/v [batch, kv_heads, ...]; under context
-    parallelism the keys are every rank's (documents.every_key)."""
+def materialized_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                           scale: float, cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention that no SDPA kernel does, as transformers' eager attention: the [heads, seq, seq]
+    scores materialised, softmax in fp32. ``cap``: scores soft-capped before the mask, cap *
+    tanh(score / cap) (Gemma 2); ``sinks`` [heads]: a learned logit per head joins each softmax's
+    denominator and takes its share of the probability (GPT-OSS). q [batch, heads, seq, head_dim],
+    k/v [batch, kv_heads, ...]; under context parallelism the keys are every rank's
+    (documents.every_key)."""
     k, v = documents.every_key(k, v)
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = torch.tanh(q @ k.transpose(-2, -1) * scale / cap) * cap
+    scores = q @ k.transpose(-2, -1) * scale
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
     if mask is None:
         queries, keys = documents.query_key_positions(q.shape[2], q.device)
         mask = keys[None, :] <= queries[:, None]
     scores = scores.masked_fill(~mask, float("-inf"))
-    return scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    if sinks is None:
+        return scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, sink], dim=-1).softmax(dim=-1, dtype=torch.float32)[..., :-1].to(q.dtype) @ v
+
+
+class Sinks(nn.Module):
+    """GPT-OSS's attention sinks: one learned logit per head (``weight`` [heads]), sharded with the
+    heads under tensor parallelism (``tp_plan``)."""
+
+    def __init__(self, heads: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(heads))
+
+    def local(self) -> torch.Tensor:
+        return self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, *, bias: bool = False, qk_norm: type[RMSNorm] | None = None,
-                 sliding_window: int | None = None, local_rope: bool = False):
+                 sliding_window: int | None = None, local_rope: bool = False, output_bias: bool = False,
+                 sinks: bool = False):
         """bias: on q/k/v (Qwen2's); qk_norm: the norm on each head's queries and keys (Qwen3's,
         Gemma 3's); sliding_window: local attention over that many tokens (Mistral's); local_rope:
-        the model's local RoPE table (Gemma 3's sliding layers)."""
+        the model's local RoPE table (Gemma 3's sliding layers); output_bias: on o_proj too, and
+        sinks: a learned logit per head in each softmax (GPT-OSS's)."""
         super().__init__()
         self.sliding_window, self.local_rope = sliding_window, local_rope
         # Gemma: scores scaled by query_pre_attn_scalar ** -0.5; None: SDPA's head_dim ** -0.5
@@ -96,7 +117,8 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias=output_bias)
+        self.sinks = Sinks(cfg.num_attention_heads) if sinks else None
         self.qk_norm = qk_norm is not None
         if self.qk_norm:
             self.q_norm = qk_norm(self.head_dim, cfg.rms_norm_eps)
@@ -122,9 +144,10 @@ class Attention(nn.Module):
             # through the document-masked route (keys gathered, positions global), see
             # parallel/context.py.
             mask = sliding_window_mask(mask, seq, self.sliding_window, x.device)
-        if self.softcap is not None:
-            out = softcapped_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
-                                       self.scale or self.head_dim ** -0.5, self.softcap)
+        if self.softcap is not None or self.sinks is not None:
+            out = materialized_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
+                                         self.scale or self.head_dim ** -0.5, self.softcap,
+                                         None if self.sinks is None else self.sinks.local())
         else:
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None,
@@ -135,6 +158,8 @@ class Attention(nn.Module):
         """Megatron's: q/k/v column-parallel (each rank a slice of the heads), o row-parallel."""
         plan = {"q_proj": tp.colwise(), "k_proj": tp.colwise(), "v_proj": tp.colwise(),
                 "o_proj": tp.rowwise(output_layouts=tp.residual)}
+        if self.sinks is not None:  # each rank's heads' sinks
+            plan["sinks"] = tp.shard_parameters(0)
         if self.qk_norm:
             # Input [batch, seq, local_heads, head_dim] is sharded on the heads dim (2).
             plan |= {"q_norm": tp.sequence_parallel(sequence_dim=2, use_local_output=True),
@@ -330,7 +355,7 @@ def init_std_for(name: str, cfg: ModelConfig) -> float | None:
     """Std of the normal init for a parameter, or None for ones (norm weights)."""
     if name.endswith("norm.weight"):
         return None
-    if name.endswith(".bias"):
+    if name.endswith((".bias", "_bias")):
         return 0.0
     if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
         return cfg.init_std / math.sqrt(2 * cfg.num_hidden_layers)

@@ -30,10 +30,6 @@ from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 
-# The dim of each stacked expert weight that expert tensor parallelism splits: the FFN width.
-ETP_DIMS = {"gate_proj": 1, "up_proj": 1, "down_proj": 2}
-
-
 def _expert_major_order(counts_by_source: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Rows arrive grouped (source rank, local expert), ``counts_by_source[src, e]`` each; the
     experts want them grouped (local expert, source): the permutation that regroups them."""
@@ -78,7 +74,7 @@ class ExpertParallel(ParallelStyle):
 
         def shard_experts(name, mod, device_mesh):
             for pname, param in list(mod.named_parameters(recurse=False)):
-                placements = [Shard(0)] if etp_mesh is None else [Shard(0), Shard(ETP_DIMS[pname])]
+                placements = [Shard(0)] if etp_mesh is None else [Shard(0), Shard(mod.ETP_DIMS[pname])]
                 sharded = nn.Parameter(distribute_tensor(param, device_mesh, placements, src_data_rank=None))
                 mod.register_parameter(pname, sharded)
 

@@ -291,8 +291,7 @@ def tensor_parallel_dims(model) -> dict[str, int]:
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel)
 
-    from meshtrain.parallel.expert import ETP_DIMS
-    from meshtrain.parallel.styles import TensorParallelStyles
+    from meshtrain.parallel.styles import ShardedParameters, TensorParallelStyles
 
     styles = TensorParallelStyles(ColwiseParallel, RowwiseParallel, PrepareModuleInput, SequenceParallel,
                                   Replicate(), sequence_parallel_norms=False)
@@ -304,9 +303,12 @@ def tensor_parallel_dims(model) -> dict[str, int]:
                 dims |= {f"{prefix}.weight": 0, f"{prefix}.bias": 0}
             elif isinstance(style, RowwiseParallel):
                 dims[f"{prefix}.weight"] = 1
+            elif isinstance(style, ShardedParameters):
+                dims[f"{prefix}.weight"] = style.dim
     for name, _ in model.named_parameters():
         if ".experts." in name:
-            dims[name] = ETP_DIMS[name.rsplit(".", 1)[-1]]
+            owner, _, pname = name.rpartition(".")
+            dims[name] = model.get_submodule(owner).ETP_DIMS[pname]
     return dims
 
 

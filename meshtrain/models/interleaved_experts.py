@@ -1,0 +1,42 @@
+"""GPT-OSS's experts, stored as its checkpoints store them: ``gate_up_proj`` [E, hidden, 2 I] (input
+rows, gate and up columns interleaved: gate_0, up_0, gate_1, ...) with ``gate_up_proj_bias``
+[E, 2 I], and ``down_proj`` [E, I, hidden]; the activation is the clamped SwiGLU, gate clamped
+above and up on both sides at ``swiglu_limit``, then (up + 1) * gate * sigmoid(alpha * gate). The
+down projection's bias lives in the MoE block (``MoE.expert_output_bias``), whole on every rank.
+
+Keeping the checkpoint's layout makes import and export a rename, and still splits cleanly:
+expert parallelism shards dim 0; expert tensor parallelism takes a contiguous slice of the
+interleaved columns (whole gate/up pairs, 2 I / etp of them) and the matching rows of down_proj.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshtrain.models.config import ModelConfig
+from meshtrain.models.moe import ExpertGroups, Experts, local, use_grouped_mm
+
+
+class InterleavedExperts(Experts):
+    PROJECTIONS = ("gate_up_proj", "down_proj")
+    ETP_DIMS = {"gate_up_proj": 2, "gate_up_proj_bias": 1, "down_proj": 1}
+    adaptable = False  # LoRA's expert adapters assume [E, out, in] weights and separate gate/up
+
+    def __init__(self, cfg: ModelConfig):
+        nn.Module.__init__(self)
+        e, i, h = cfg.num_experts, cfg.resolved_moe_intermediate_size, cfg.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, h, 2 * i))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i))
+        self.down_proj = nn.Parameter(torch.empty(e, i, h))
+        self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        gate_up, bias, down = (local(getattr(self, n)) for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj"))
+        # ExpertGroups multiplies by [E, out, in] weights: these are stored [E, in, out]
+        gate_up, down = gate_up.transpose(-2, -1), down.transpose(-2, -1)
+        groups = ExpertGroups(counts, use_grouped_mm(x, gate_up, down))
+        expert = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts, output_size=x.shape[0])
+        h = groups.linear(x, gate_up) + bias[expert]
+        gate, up = h[..., ::2].clamp(max=self.limit), h[..., 1::2].clamp(min=-self.limit, max=self.limit)
+        return groups.linear((up + 1) * (gate * torch.sigmoid(gate * self.alpha)), down)
