@@ -174,3 +174,29 @@ def hf_shapes_of(directory: pathlib.Path) -> dict:
     from meshtrain.hf.adapter import hf_shapes, resolve_init_from_hf
 
     return hf_shapes(resolve_init_from_hf(ModelConfig(init_from_hf=str(directory))))
+
+
+def write_mxfp4_dir(path: pathlib.Path, seed: int = 0, **overrides) -> pathlib.Path:
+    """A GPT-OSS checkpoint as the releases store it: each expert tensor as MXFP4 blocks (random 4-bit
+    codes) and scales (random exponents around 2**0), the rest as written by transformers, and the
+    release's quantization_config. Hidden 64 and FFN 32: MXFP4 packs 32 values per scale."""
+    from safetensors.torch import load_file, save_file
+
+    model = hf_model("gpt_oss", seed=seed, **({"hidden_size": 64, "intermediate_size": 32} | overrides))
+    model.save_pretrained(path)
+    (file,) = path.glob("*.safetensors")
+    tensors = load_file(file)
+    generator = torch.Generator().manual_seed(seed)
+    for key in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, columns, rows = tensors.pop(key).shape  # stored [E, in, out]: blocks run along `in`
+        groups = columns // 32
+        tensors[key + "_blocks"] = torch.randint(0, 256, (experts, rows, groups, 16), dtype=torch.uint8,
+                                                 generator=generator)
+        tensors[key + "_scales"] = torch.randint(120, 130, (experts, rows, groups), dtype=torch.uint8,
+                                                 generator=generator)
+    save_file(tensors, file, metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path

@@ -352,6 +352,58 @@ def test_deepseek_v3_release_quirks_are_refused_naming_them(tmp_path, how):
             resolve_init_from_hf(ModelConfig(init_from_hf=str(directory)))
 
 
+def test_gpt_oss_mxfp4_experts_import_as_transformers_dequantizes_them_and_export_unquantized(tmp_path):
+    """A GPT-OSS release's layout (experts as MXFP4 blocks and scales, quantization_config): the
+    imported experts equal transformers' dequantization bit for bit, the logits equal its; the
+    export holds them in bf16 with no quantization_config, and transformers loads it to the same logits."""
+    from meshtrain.hf.io import export_dtypes, save_hf
+    from tests.hf_models import imported, write_mxfp4_dir
+
+    directory = write_mxfp4_dir(tmp_path / "gpt_oss")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    ours = imported(directory)
+    for i, layer in ours.layers.items():
+        for name in ("gate_up_proj", "down_proj"):
+            assert torch.equal(getattr(layer.mlp.experts, name), getattr(hf.model.layers[int(i)].mlp.experts, name))
+    tokens = torch.randint(0, 383, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(tokens).logits
+        torch.testing.assert_close(ours(tokens), want, rtol=1e-5, atol=1e-5)
+    out = save_hf([ours], str(tmp_path / "out"), export_dtypes(ours.cfg, "auto"), max_shard_bytes=10**9)
+    assert read_tensors(out)["model.layers.0.mlp.experts.gate_up_proj"].dtype == torch.bfloat16
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    with torch.no_grad():
+        again = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(tokens).logits
+    torch.testing.assert_close(again, want, rtol=1e-5, atol=1e-5)
+
+
+def mxfp4_source(directory) -> tuple[str, ...]:
+    from tests.hf_models import write_mxfp4_dir
+
+    return ("--model.init-from-hf", str(write_mxfp4_dir(directory / "gpt_oss", vocab_size=384)))
+
+
+MXFP4_IMPORT = Job("moe/import-gpt_oss-mxfp4-ep2-etp2", 4, "hf", (*TINY_NO_MODEL, "--parallel.ep", "2", "--parallel.etp",
+                                                                   "2"), prepare=mxfp4_source)
+
+
+@pytest.mark.slow
+@pytest.mark.job(MXFP4_IMPORT)
+def test_mxfp4_experts_read_in_slices_under_ep2_x_etp2_give_transformers_logits(batches):
+    """Each rank dequantizes only the blocks its experts' slices need (etp2 cuts down_proj's 32 FFN
+    values of a scale in half); the logits equal transformers', the export its dequantized weights."""
+    from tests.workers.hf import TOKENS
+
+    out = batches.result(MXFP4_IMPORT)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out / "gpt_oss", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.load(out / "logits.pt"), hf(TOKENS).logits, rtol=1e-5, atol=1e-5)
+    exported = read_tensors(out / "hf")
+    for name, value in hf.state_dict().items():
+        if ".experts." in name:
+            assert torch.equal(exported[name].float(), value), name
+
+
 SHARDED_IMPORTS = {  # name: (ranks, family, layout, HF config); the experts sharded by FSDP, EP and ETP
     "mixtral-fsdp2": (2, "mixtral", [], {}),
     "qwen3_moe-ep2": (2, "qwen3_moe", ["--parallel.ep", "2"], {}),
@@ -365,6 +417,8 @@ SHARDED_IMPORTS = {  # name: (ranks, family, layout, HF config); the experts sha
     # latent attention split by heads (its latent projections whole), the routing bias a buffer read and written
     "deepseek_v3-tp2-sp-ep2": (2, "deepseek_v3", ["--parallel.tp", "2", "--parallel.sp", "True", "--parallel.ep", "2"],
                                {}),
+    # the sinks split with the heads, the stacked experts (and their biases) read as slices of one tensor each
+    "gpt_oss-tp2-sp-ep2": (2, "gpt_oss", ["--parallel.tp", "2", "--parallel.sp", "True", "--parallel.ep", "2"], {}),
 }
 
 

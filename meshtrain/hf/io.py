@@ -32,6 +32,7 @@ from meshtrain.parallel._torch_private import StridedShard
 from meshtrain.config import ModelConfig
 from meshtrain.errors import CheckpointError
 from meshtrain.hf.adapter import DTYPE_NAMES, DTYPES, hf_config_from_model, hf_shapes, to_hf
+from meshtrain.hf.mxfp4 import Mxfp4StorageReader, logical_tensors
 from meshtrain.hf.fused import RowStackLoadPlanner, join_parts, parts_for_writing, split_stacks
 from meshtrain.models.family import RowStack
 from meshtrain.models.lora import is_adapter
@@ -95,6 +96,8 @@ def inspect_hf_dir(directory: str | pathlib.Path, expected: dict[str, torch.Size
         wrong = {k for k, f in weight_map.items() if k not in found or found[k][0] != f}
         if wrong:
             raise CheckpointError(f"{index_path} does not match the files for {_shorten(wrong)}")
+    if cfg is not None and "mxfp4" in cfg.definition.quantizations:  # blocks and scales stand for one tensor
+        found = logical_tensors(found)
     if missing := set(expected) - set(found):
         raise CheckpointError(f"{root}: missing tensors {_shorten(missing)} (config.json describes a model "
                               "these files do not hold)")
@@ -140,7 +143,7 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
         a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-_TORCH_DTYPE = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+_TORCH_DTYPE = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64", "U8": "uint8"}
 
 
 def _first_expert(stacked: DTensor) -> int:
@@ -195,7 +198,9 @@ def load_hf_weights(parts: list[Transformer], directory: str) -> None:
     inspect_hf_dir(directory, hf_shapes(cfg), cfg)
     for part in parts:  # the same number of parts on every rank, so the collectives pair up
         state, stacks = split_stacks(_hf_state(part, cfg))
-        dcp.load(state, storage_reader=HuggingFaceStorageReader(directory), planner=RowStackLoadPlanner(stacks))
+        reader = Mxfp4StorageReader(directory) if "mxfp4" in cfg.definition.quantizations else \
+            HuggingFaceStorageReader(directory)
+        dcp.load(state, storage_reader=reader, planner=RowStackLoadPlanner(stacks))
         part.reset_buffers(keep_loaded=bool(cfg.definition.hf_buffers))  # the buffers just read stay
 
 
