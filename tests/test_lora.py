@@ -40,6 +40,16 @@ def test_adapters_start_as_a_no_op_and_only_they_train():
     assert q.lora_A.shape == (4, 64) and q.lora_B.shape == (64, 4) and q.lora_scale == 2.0
 
 
+def test_gpt_oss_experts_are_refused_as_lora_targets_naming_the_fix():
+    with torch.device("meta"):
+        model = Transformer(ModelConfig(family="gpt_oss", num_experts=4, sliding_window=8, hidden_size=32,
+                                        num_hidden_layers=2))
+    with pytest.raises(ConfigError, match=r"match layers.0.mlp.experts, experts LoRA cannot adapt.*Fix: target the "
+                                          r"attention projections"):
+        check_lora(PeftConfig(method="lora"), model)  # the default targets include the experts
+    check_lora(PeftConfig(method="lora", targets=["*.self_attn.*_proj"]), model)
+
+
 def test_targets_that_match_nothing_or_split_the_fused_gate_up_pair_for_peft_are_refused():
     with pytest.raises(ConfigError, match=r"peft.targets=\['\*.nothing'\] match no linear layer"):
         check_lora(PeftConfig(method="lora", targets=["*.nothing"]), tiny())
@@ -406,7 +416,10 @@ DEEPSEEK_TARGETS = ["*.q_a_proj", "*.q_b_proj", "*.kv_a_proj_with_mqa", "*.kv_b_
     ("qwen2", None, 14), ("gemma3", None, 21), ("phi3", None, 14), ("phi3", ["*.q_proj", "*.v_proj", "*.up_proj"], 6),
     # 5 latent-attention linears a layer, the dense first MLP's down_proj, each MoE layer's experts (3
     # stacks) and shared expert (3 linears)
-    ("deepseek_v3", DEEPSEEK_TARGETS, 3 * 5 + 1 + 2 * 6)], ids=["qwen2", "gemma3", "phi3", "phi3-some-parts", "deepseek_v3"])
+    ("deepseek_v3", DEEPSEEK_TARGETS, 3 * 5 + 1 + 2 * 6),
+    # attention with biases on q/k/v/o and sinks beside the adapters
+    ("gpt_oss", ["*.self_attn.*_proj"], 2 * 4)],
+    ids=["qwen2", "gemma3", "phi3", "phi3-some-parts", "deepseek_v3", "gpt_oss"])
 def test_new_family_adapters_load_in_peft_and_merge_into_a_transformers_model(tmp_path, family, targets, adapted):
     """LoRA on the default targets of a Qwen2 (q/k/v biases beside the adapters), a Gemma 3 (tied,
     four norms a layer) and a Phi-3 (adapters of q/k/v_proj as one of the checkpoint's qkv_proj, also

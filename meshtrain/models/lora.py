@@ -164,7 +164,7 @@ def lora_targets(model: nn.Module, patterns: list[str]) -> list[str]:
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and targeted(name, patterns):
             names.append(name)
-        elif isinstance(module, Experts):
+        elif isinstance(module, Experts) and module.adaptable:
             names += [f"{name}.{p}" for p in Experts.PROJECTIONS if targeted(f"{name}.{p}", patterns)]
     return names
 
@@ -253,6 +253,12 @@ def check_lora(cfg: PeftConfig, model: nn.Module) -> None:
     to be exported (transformers 5 fuses them into one gate_up_proj, and peft refuses one alone)."""
     if not cfg.adapters:
         return
+    fixed = [n for n, m in model.named_modules() if isinstance(m, Experts) and not m.adaptable and any(
+        fnmatch.fnmatchcase(x, p) for x in (n, *(f"{n}.{q}" for q in m.PROJECTIONS)) for p in cfg.targets)]
+    if fixed:
+        raise ConfigError(f"peft.targets={cfg.targets} match {fixed[0]}, experts LoRA cannot adapt (GPT-OSS's "
+                          "interleaved gate_up_proj with biases). Fix: target the attention projections "
+                          "('*.self_attn.*_proj'), or list targets without '*.experts'")
     targets = lora_targets(model, cfg.targets)
     if not targets:
         raise ConfigError(f"peft.targets={cfg.targets} match no linear layer. Fix: use module-name wildcards such as "
