@@ -283,52 +283,64 @@ def test_the_sft_config_fine_tunes_an_imported_model_and_exports_it(tmp_path):
         CONVERSATIONS[1], tokenize=False).startswith("<|im_start|>user")  # the tokenizer and its template ship
 
 
-def deepseek_sft_source(directory) -> tuple[str, ...]:
-    """A tiny DeepSeek-V3 from transformers with a tokenizer holding DeepSeek-V3.1's real chat
-    template, and that family's conversations."""
-    import json
-    import shutil
+def family_sft_source(model_family: str, template: str):
+    """A tiny ``model_family`` model from transformers with a tokenizer holding chat template
+    ``template``'s real text, and that template family's conversations."""
+    def prepare(directory) -> tuple[str, ...]:
+        import shutil
 
-    from tests.hf_models import hf_dir
+        from tests.hf_models import hf_dir
 
-    family = FAMILIES["deepseek_v3_1"]
-    tok = family_tokenizer(directory / "tok", family)
-    _, model = hf_dir(directory, "deepseek_v3", vocab_size=400)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tok / name, model / name)
-    chats = directory / "chats.jsonl"
-    chats.write_text("".join(json.dumps(r) + "\n" for r in family_records(family) * 8))
-    return ("--model.init-from-hf", str(model), "--data.tokenizer", str(model), "--data.path", str(chats))
+        family = FAMILIES[template]
+        tok = family_tokenizer(directory / "tok", family)
+        _, model = hf_dir(directory, model_family, vocab_size=400, max_position_embeddings=1024)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(tok / name, model / name)
+        chats = directory / "chats.jsonl"
+        chats.write_text("".join(json.dumps(r) + "\n" for r in family_records(family) * 8))
+        return ("--model.init-from-hf", str(model), "--data.tokenizer", str(model), "--data.path", str(chats))
+    return prepare
 
 
-DEEPSEEK_SFT = Job("sft/deepseek_v3-lora-tp2-ep2", 2, "train_command", (
-    "--config", "configs/deepseek_v3_lora_sft.yaml", "--parallel.pp", "1", "--parallel.ep", "2",
-    "--train.steps", "3", "--train.seq-len", "64", "--train.global-batch-size", "4", "--checkpoint.interval", "0",
-    "--peft.export-adapter", "{jobs}/sft/deepseek_v3-lora-tp2-ep2/adapter", "--logging.jsonl", "True",
-    "--checkpoint.export-hf", "{jobs}/sft/deepseek_v3-lora-tp2-ep2/merged", "--logging.progress", "off"),
-    prepare=deepseek_sft_source)
+def config_sft_job(model_family: str, template: str, config: str, seq_len: int) -> Job:
+    """``configs/CONFIG`` on 2 ranks (tp2 x SP x ep2), 3 steps, its adapter and merged model exported."""
+    name = f"sft/{model_family}-config"
+    return Job(name, 2, "train_command", (
+        "--config", f"configs/{config}", "--parallel.pp", "1", "--parallel.ep", "2", "--train.steps", "3",
+        "--train.seq-len", str(seq_len), "--train.global-batch-size", "4", "--checkpoint.interval", "0",
+        "--peft.export-adapter", f"{{jobs}}/{name}/adapter", "--checkpoint.export-hf", f"{{jobs}}/{name}/merged",
+        "--logging.jsonl", "True", "--logging.progress", "off"), prepare=family_sft_source(model_family, template))
+
+
+CONFIG_SFT = {  # model family: (its chat template in tests/chat_templates, the config, sequence length, adapted
+    # modules as peft names them); harmony's conversations take 200-440 tokens of the tests' tokenizer
+    "deepseek_v3": ("deepseek_v3_1", "deepseek_v3_lora_sft.yaml", 64, {"q_a_proj", "kv_b_proj", "o_proj", "gate_proj"}),
+    "gpt_oss": ("gpt_oss", "gpt_oss_lora_sft.yaml", 512, {"q_proj", "k_proj", "v_proj", "o_proj"}),
+}
+CONFIG_SFT_JOBS = {family: config_sft_job(family, template, config, seq_len)
+                   for family, (template, config, seq_len, _) in CONFIG_SFT.items()}
 
 
 @pytest.mark.slow
-@pytest.mark.job(DEEPSEEK_SFT)
-def test_the_deepseek_v3_config_fine_tunes_latent_attention_and_experts_with_its_chat_template(batches):
-    """configs/deepseek_v3_lora_sft.yaml (tp2 x SP, ep2 here) on a tiny DeepSeek-V3 with DeepSeek-V3.1's
-    template: LoRA on the latent attention's projections, every routed expert and the shared experts;
-    the PEFT adapter on transformers' model and the merged export give the same logits, not the base's."""
+@jobs("family", CONFIG_SFT_JOBS)
+def test_the_moe_family_configs_fine_tune_with_their_chat_templates(batches, family):
+    """configs/deepseek_v3_lora_sft.yaml (LoRA on latent attention, routed and shared experts) with
+    DeepSeek-V3.1's template, and configs/gpt_oss_lora_sft.yaml (LoRA on attention) with gpt-oss's
+    harmony template, each on a tiny model of its family under tp2 x SP x ep2: the PEFT adapter on
+    transformers' model and the merged export give the same logits, not the base's."""
     peft = pytest.importorskip("peft")
     import transformers
 
-    out = batches.result(DEEPSEEK_SFT)
-    model_dir = out / "deepseek_v3"
+    out = batches.result(CONFIG_SFT_JOBS[family])
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 3 and all(math.isfinite(r["loss"]) for r in records)
-    base = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(out / family)).eval()
     tokens = torch.randint(0, 400, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         plain = base(tokens).logits
         merged = transformers.AutoModelForCausalLM.from_pretrained(str(out / "merged"))(tokens).logits
         adapted = peft.PeftModel.from_pretrained(base, str(out / "adapter"))(tokens).logits
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
-    assert {"q_a_proj", "kv_b_proj", "o_proj", "gate_proj", "down_proj"} <= set(config["target_modules"])
+    assert CONFIG_SFT[family][3] <= set(config["target_modules"])
     torch.testing.assert_close(adapted, merged, rtol=1e-4, atol=1e-5)
     assert (merged - plain).abs().max() > 1e-4
