@@ -11,7 +11,7 @@ from meshtrain.models.initialize import init_weights
 from meshtrain.models.lora import LoRALinear, add_lora, check_lora, init_lora, lora_targets
 from meshtrain.models.transformer import Transformer
 from tests.batch import Job, jobs
-from tests.parity import MOE_ARGS, PP_MODEL, assert_matches_reference, metrics, reference, run_layout, train_job
+from tests.parity import GPT_OSS, MOE_ARGS, PP_MODEL, assert_matches_reference, metrics, reference, run_layout, train_job
 
 
 def tiny(**kw) -> Transformer:
@@ -38,16 +38,6 @@ def test_adapters_start_as_a_no_op_and_only_they_train():
     assert all(p.grad is None for n, p in model.named_parameters() if not p.requires_grad)
     q = model.layers["0"].self_attn.q_proj
     assert q.lora_A.shape == (4, 64) and q.lora_B.shape == (64, 4) and q.lora_scale == 2.0
-
-
-def test_gpt_oss_experts_are_refused_as_lora_targets_naming_the_fix():
-    with torch.device("meta"):
-        model = Transformer(ModelConfig(family="gpt_oss", num_experts=4, sliding_window=8, hidden_size=32,
-                                        num_hidden_layers=2))
-    with pytest.raises(ConfigError, match=r"match layers.0.mlp.experts, experts LoRA cannot adapt.*Fix: target the "
-                                          r"attention projections"):
-        check_lora(PeftConfig(method="lora"), model)  # the default targets include the experts
-    check_lora(PeftConfig(method="lora", targets=["*.self_attn.*_proj"]), model)
 
 
 def test_targets_that_match_nothing_or_split_the_fused_gate_up_pair_for_peft_are_refused():
@@ -88,6 +78,10 @@ LAYOUTS = {  # name: (ranks, layout, extra)
     "moe-ep2": (2, ["--parallel.ep", "2"], MOE_ARGS + ("--peft.targets", "*.q_proj", "*.o_proj", "*.experts")),
     "moe-tp2-sp-etp2": (2, ["--parallel.tp", "2", "--parallel.sp", "True", "--parallel.etp", "2"],
                         MOE_ARGS + ("--peft.targets", "*.q_proj", "*.o_proj", "*.experts")),
+    # GPT-OSS's interleaved experts: adapters of gate_up_proj's [E, out, in] view, split over etp in whole
+    # (gate, up) column pairs with the weight, down_proj's over its input rows
+    "gpt_oss-tp2-sp-etp2": (2, ["--parallel.tp", "2", "--parallel.sp", "True", "--parallel.etp", "2"],
+                            GPT_OSS + ("--peft.targets", "*.q_proj", "*.experts")),
     # DoRA: row norms of column-parallel (local rows) and row-parallel (summed over tp) weights
     "dora-tp2-sp": (2, ["--parallel.tp", "2", "--parallel.sp", "True"], ("--peft.method", "dora")),
 }
@@ -417,8 +411,9 @@ DEEPSEEK_TARGETS = ["*.q_a_proj", "*.q_b_proj", "*.kv_a_proj_with_mqa", "*.kv_b_
     # 5 latent-attention linears a layer, the dense first MLP's down_proj, each MoE layer's experts (3
     # stacks) and shared expert (3 linears)
     ("deepseek_v3", DEEPSEEK_TARGETS, 3 * 5 + 1 + 2 * 6),
-    # attention with biases on q/k/v/o and sinks beside the adapters
-    ("gpt_oss", ["*.self_attn.*_proj"], 2 * 4)],
+    # attention with biases on q/k/v/o and sinks beside the adapters; the interleaved experts (their
+    # adapters as peft's target_parameters, gate_up_proj's wrapped in down_proj's)
+    ("gpt_oss", ["*.self_attn.*_proj", "*.experts"], 2 * (4 + 2))],
     ids=["qwen2", "gemma3", "phi3", "phi3-some-parts", "deepseek_v3", "gpt_oss"])
 def test_new_family_adapters_load_in_peft_and_merge_into_a_transformers_model(tmp_path, family, targets, adapted):
     """LoRA on the default targets of a Qwen2 (q/k/v biases beside the adapters), a Gemma 3 (tied,

@@ -315,7 +315,7 @@ def config_sft_job(model_family: str, template: str, config: str, seq_len: int) 
 CONFIG_SFT = {  # model family: (its chat template in tests/chat_templates, the config, sequence length, adapted
     # modules as peft names them); harmony's conversations take 200-440 tokens of the tests' tokenizer
     "deepseek_v3": ("deepseek_v3_1", "deepseek_v3_lora_sft.yaml", 64, {"q_a_proj", "kv_b_proj", "o_proj", "gate_proj"}),
-    "gpt_oss": ("gpt_oss", "gpt_oss_lora_sft.yaml", 512, {"q_proj", "k_proj", "v_proj", "o_proj"}),
+    "gpt_oss": ("gpt_oss", "gpt_oss_lora_sft.yaml", 512, {"q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj"}),
 }
 CONFIG_SFT_JOBS = {family: config_sft_job(family, template, config, seq_len)
                    for family, (template, config, seq_len, _) in CONFIG_SFT.items()}
@@ -325,7 +325,7 @@ CONFIG_SFT_JOBS = {family: config_sft_job(family, template, config, seq_len)
 @jobs("family", CONFIG_SFT_JOBS)
 def test_the_moe_family_configs_fine_tune_with_their_chat_templates(batches, family):
     """configs/deepseek_v3_lora_sft.yaml (LoRA on latent attention, routed and shared experts) with
-    DeepSeek-V3.1's template, and configs/gpt_oss_lora_sft.yaml (LoRA on attention) with gpt-oss's
+    DeepSeek-V3.1's template, and configs/gpt_oss_lora_sft.yaml (LoRA on attention and experts) with gpt-oss's
     harmony template, each on a tiny model of its family under tp2 x SP x ep2: the PEFT adapter on
     transformers' model and the merged export give the same logits, not the base's."""
     peft = pytest.importorskip("peft")
@@ -341,6 +341,6 @@ def test_the_moe_family_configs_fine_tune_with_their_chat_templates(batches, fam
         merged = transformers.AutoModelForCausalLM.from_pretrained(str(out / "merged"))(tokens).logits
         adapted = peft.PeftModel.from_pretrained(base, str(out / "adapter"))(tokens).logits
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
-    assert CONFIG_SFT[family][3] <= set(config["target_modules"])
+    assert CONFIG_SFT[family][3] <= set(config["target_modules"]) | set(config.get("target_parameters", []))
     torch.testing.assert_close(adapted, merged, rtol=1e-4, atol=1e-5)
     assert (merged - plain).abs().max() > 1e-4

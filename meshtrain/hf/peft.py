@@ -7,6 +7,8 @@ names (``...mlp.experts.3.gate_proj.lora_A.weight``; Mixtral's ``w1``/``w3``/``w
 LoRA on those experts has in PEFT; peft (0.21) converts them on loading for transformers 5's fused
 experts (A concatenated, B block-diagonal over gate and up, rank and alpha doubled).
 
+Adapters of experts the checkpoint stacks (GPT-OSS) are written as peft's adapters of those
+parameters (``target_parameters``, ``stacked_expert_tensors``).
 Adapters of linears the checkpoint fuses (Phi-3's q/k/v_proj in ``qkv_proj``) are written the same
 way, as one adapter of the fused module: A the parts' A stacked, B theirs block-diagonal (zero rows
 for a part without an adapter), rank and alpha times the parts adapted (``rank_pattern`` and
@@ -46,6 +48,37 @@ def peft_tensors(name: str, adapter: torch.Tensor, cfg: ModelConfig) -> dict[str
 
 
 _LAYER_ADAPTER = re.compile(r"(layers\.\d+)\.(.+)\.([^.]+)")
+_STACKED_ADAPTER = re.compile(r"(layers\.\d+\.mlp\.experts)\.(\w+)_(lora_[AB])")
+
+
+def stacked_expert_tensors(adapters: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[dict, dict, list[str]]:
+    """Adapters of experts the checkpoint stacks (GPT-OSS's ``gate_up_proj`` [E, in, out]) as peft
+    holds adapters of such parameters (``target_parameters``): A [E, r, in] as [E * r, in], B
+    [E, out, r] as [out, r * E] (rank-major), under the experts module's name, each projection
+    wrapping the ones before it (``...experts.base_layer.lora_A.weight`` for gate_up_proj when
+    down_proj is adapted too). Returns those tensors, the other adapters, and the parameters."""
+    experts = cfg.definition.experts
+    if experts is None or not experts.stacked:
+        return {}, adapters, []
+    rest, found = {}, {}
+    for name, tensor in adapters.items():
+        m = _STACKED_ADAPTER.fullmatch(name)
+        if m is None:
+            rest[name] = tensor
+        else:
+            found.setdefault(m[1], {}).setdefault(m[2], {})[m[3]] = tensor
+    with torch.device("meta"):  # the order of the projections is the family's experts class's
+        order = type(cfg.definition.experts_module(cfg)).PROJECTIONS
+    tensors, parameters = {}, set()
+    for owner, projections in found.items():
+        adapted = [p for p in order if p in projections]
+        for depth, projection in enumerate(adapted):
+            prefix = f"base_model.model.model.{owner}" + ".base_layer" * (len(adapted) - 1 - depth)
+            a, b = projections[projection]["lora_A"], projections[projection]["lora_B"]
+            tensors[f"{prefix}.lora_A.weight"] = a.reshape(-1, a.shape[-1])
+            tensors[f"{prefix}.lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], -1)
+            parameters.add(projection)
+    return tensors, rest, sorted(parameters)
 
 
 def fuse_adapters(adapters: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
@@ -116,9 +149,12 @@ def save_peft_adapter(parts: list[torch.nn.Module], directory: str, cfg: PeftCon
         dist.all_gather_object(every, mine)
     if not dist.is_initialized() or dist.get_rank() == 0:
         adapters, stacked = fuse_adapters({n: t for part in every for n, t in part.items()}, model_cfg)
+        expert_tensors, adapters, expert_parameters = stacked_expert_tensors(adapters, model_cfg)
         tensors = {key: t.to(dtype, copy=True) for n, adapter in adapters.items()
                    for key, t in peft_tensors(n, adapter, model_cfg).items()}
         modules, parameters = peft_targets(tensors, model_cfg)
+        tensors |= {key: t.to(dtype, copy=True) for key, t in expert_tensors.items()}
+        parameters = sorted(set(parameters) | set(expert_parameters))
         patterns = {re.escape(module): count for module, count in stacked.items() if count > 1}
         tmp = out.with_name(out.name + INCOMPLETE)
         shutil.rmtree(tmp, ignore_errors=True)

@@ -4,7 +4,9 @@ rows, gate and up columns interleaved: gate_0, up_0, gate_1, ...) with ``gate_up
 above and up on both sides at ``swiglu_limit``, then (up + 1) * gate * sigmoid(alpha * gate). The
 down projection's bias lives in the MoE block (``MoE.expert_output_bias``), whole on every rank.
 
-Keeping the checkpoint's layout makes import and export a rename, and still splits cleanly:
+LoRA's per-expert adapters follow ``weight``'s [E, out, in] view (B's rows in the interleaved
+column order), as peft's adapters of these parameters do. Keeping the checkpoint's layout makes
+import and export a rename, and still splits cleanly:
 expert parallelism shards dim 0; expert tensor parallelism takes a contiguous slice of the
 interleaved columns (whole gate/up pairs, 2 I / etp of them) and the matching rows of down_proj.
 """
@@ -21,7 +23,6 @@ from meshtrain.models.moe import ExpertGroups, Experts, local, use_grouped_mm
 class InterleavedExperts(Experts):
     PROJECTIONS = ("gate_up_proj", "down_proj")
     ETP_DIMS = {"gate_up_proj": 2, "gate_up_proj_bias": 1, "down_proj": 1}
-    adaptable = False  # LoRA's expert adapters assume [E, out, in] weights and separate gate/up
 
     def __init__(self, cfg: ModelConfig):
         nn.Module.__init__(self)
@@ -31,12 +32,14 @@ class InterleavedExperts(Experts):
         self.down_proj = nn.Parameter(torch.empty(e, i, h))
         self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
 
+    def weight(self, name: str) -> torch.Tensor:
+        return getattr(self, name).transpose(-2, -1)  # stored [E, in, out]
+
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        gate_up, bias, down = (local(getattr(self, n)) for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj"))
-        # ExpertGroups multiplies by [E, out, in] weights: these are stored [E, in, out]
-        gate_up, down = gate_up.transpose(-2, -1), down.transpose(-2, -1)
-        groups = ExpertGroups(counts, use_grouped_mm(x, gate_up, down))
+        # ExpertGroups (and LoRA's update) multiply by [E, out, in] weights: these are stored [E, in, out]
+        gate_up, down = (local(getattr(self, n)).transpose(-2, -1) for n in self.PROJECTIONS)
+        groups = ExpertGroups(counts, use_grouped_mm(x, gate_up, down, *self.extra_operands()))
         expert = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts, output_size=x.shape[0])
-        h = groups.linear(x, gate_up) + bias[expert]
+        h = self.project(x, "gate_up_proj", gate_up, groups) + local(self.gate_up_proj_bias)[expert]
         gate, up = h[..., ::2].clamp(max=self.limit), h[..., 1::2].clamp(min=-self.limit, max=self.limit)
-        return groups.linear((up + 1) * (gate * torch.sigmoid(gate * self.alpha)), down)
+        return self.project((up + 1) * (gate * torch.sigmoid(gate * self.alpha)), "down_proj", down, groups)

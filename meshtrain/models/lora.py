@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import zlib
 from collections.abc import Iterator
 
@@ -110,6 +111,18 @@ class LoRAExperts(Experts):
         return tuple(local(getattr(self, f"{name}_{kind}")) for name in self.lora_projections for kind in ADAPTERS)
 
 
+EXPERT_PROJECTIONS = frozenset({"gate_proj", "up_proj", "down_proj", "gate_up_proj"})
+"""The stacked experts' projections of every family (GPT-OSS's gate_up_proj)."""
+
+
+@functools.cache
+def _with_lora(experts_class: type) -> type:
+    """The class of ``experts_class`` modules carrying adapters (LoRAExperts' ``project`` first)."""
+    if experts_class is Experts or issubclass(experts_class, LoRAExperts):
+        return LoRAExperts if experts_class is Experts else experts_class
+    return type(f"LoRA{experts_class.__name__}", (LoRAExperts, experts_class), {})
+
+
 class _SumGradient(torch.autograd.Function):
     """Identity forward; backward sums the gradient over ``group`` (each rank's is a partial sum)."""
 
@@ -154,7 +167,7 @@ def targeted(name: str, patterns: list[str] | tuple[str, ...]) -> bool:
     """Whether a linear layer ``name``, or a stacked experts' projection ``...experts.gate_proj``, gets
     adapters: its own name matches a pattern, or (a projection) its experts' name does."""
     owner, _, projection = name.rpartition(".")
-    names = [name, owner] if owner.rpartition(".")[2] == "experts" and projection in Experts.PROJECTIONS else [name]
+    names = [name, owner] if owner.rpartition(".")[2] == "experts" and projection in EXPERT_PROJECTIONS else [name]
     return any(fnmatch.fnmatchcase(n, p) for n in names for p in patterns)
 
 
@@ -164,8 +177,8 @@ def lora_targets(model: nn.Module, patterns: list[str]) -> list[str]:
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and targeted(name, patterns):
             names.append(name)
-        elif isinstance(module, Experts) and module.adaptable:
-            names += [f"{name}.{p}" for p in Experts.PROJECTIONS if targeted(f"{name}.{p}", patterns)]
+        elif isinstance(module, Experts):
+            names += [f"{name}.{p}" for p in module.PROJECTIONS if targeted(f"{name}.{p}", patterns)]
     return names
 
 
@@ -204,11 +217,11 @@ def add_lora(model: nn.Module, cfg: PeftConfig) -> list[str]:
                 module.lora_magnitude = magnitude[0]
             module.__class__ = DoRALinear if dora else LoRALinear
         else:
-            a, b = _adapters_for(getattr(module, projection), cfg.rank)
+            a, b = _adapters_for(module.weight(projection), cfg.rank)
             module.register_parameter(f"{projection}_lora_A", a)
             module.register_parameter(f"{projection}_lora_B", b)
             module.lora_projections = getattr(module, "lora_projections", ()) + (projection,)
-            module.__class__ = LoRAExperts
+            module.__class__ = _with_lora(type(module))
         module.lora_scale, module.lora_dropout = cfg.alpha / cfg.rank, cfg.dropout
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name))
@@ -253,12 +266,6 @@ def check_lora(cfg: PeftConfig, model: nn.Module) -> None:
     to be exported (transformers 5 fuses them into one gate_up_proj, and peft refuses one alone)."""
     if not cfg.adapters:
         return
-    fixed = [n for n, m in model.named_modules() if isinstance(m, Experts) and not m.adaptable and any(
-        fnmatch.fnmatchcase(x, p) for x in (n, *(f"{n}.{q}" for q in m.PROJECTIONS)) for p in cfg.targets)]
-    if fixed:
-        raise ConfigError(f"peft.targets={cfg.targets} match {fixed[0]}, experts LoRA cannot adapt (GPT-OSS's "
-                          "interleaved gate_up_proj with biases). Fix: target the attention projections "
-                          "('*.self_attn.*_proj'), or list targets without '*.experts'")
     targets = lora_targets(model, cfg.targets)
     if not targets:
         raise ConfigError(f"peft.targets={cfg.targets} match no linear layer. Fix: use module-name wildcards such as "
@@ -315,12 +322,14 @@ def merge_lora(model: nn.Module) -> int:
         if isinstance(module, LoRALinear):
             pairs, plain = {"weight": ("lora_A", "lora_B")}, nn.Linear
         elif isinstance(module, LoRAExperts):
-            pairs, plain = {p: (f"{p}_lora_A", f"{p}_lora_B") for p in module.lora_projections}, Experts
+            pairs = {p: (f"{p}_lora_A", f"{p}_lora_B") for p in module.lora_projections}
+            plain = next(c for c in type(module).__mro__ if issubclass(c, Experts) and not issubclass(c, LoRAExperts))
         else:
             continue
         for weight_name, (a_name, b_name) in pairs.items():
             a, b = (_full(getattr(module, n)) for n in (a_name, b_name))
-            _add_full(getattr(module, weight_name), (b.float() @ a.float()) * module.lora_scale)
+            weight = module.weight(weight_name) if isinstance(module, LoRAExperts) else getattr(module, weight_name)
+            _add_full(weight, (b.float() @ a.float()) * module.lora_scale)  # [E, out, in] views add in place
             delattr(module, a_name)
             delattr(module, b_name)
             merged += 1

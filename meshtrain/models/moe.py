@@ -158,8 +158,6 @@ class Experts(nn.Module):
     PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
     ETP_DIMS = {"gate_proj": 1, "up_proj": 1, "down_proj": 2}
     """The dim of each stacked weight that expert tensor parallelism splits: the FFN width."""
-    adaptable = True
-    """Whether LoRA can put adapters on the projections (models/lora.py's LoRAExperts)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -176,6 +174,10 @@ class Experts(nn.Module):
         groups = ExpertGroups(counts, use_grouped_mm(x, gate, up, down, *self.extra_operands()))
         hidden = F.silu(self.project(x, "gate_proj", gate, groups)) * self.project(x, "up_proj", up, groups)
         return self.project(hidden, "down_proj", down, groups)
+
+    def weight(self, name: str) -> torch.Tensor:
+        """Projection ``name`` as [E, out, in] (a view of the stored parameter, for LoRA)."""
+        return getattr(self, name)
 
     def project(self, x: torch.Tensor, name: str, weight: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         """x times each expert's slice of projection ``name`` (LoRA adds its update here)."""
