@@ -1,12 +1,15 @@
-"""The mixture-of-experts MLP (Qwen3-MoE, Mixtral): router, token-choice top-k dispatch, grouped experts.
+"""The mixture-of-experts MLP (Qwen3-MoE, Mixtral, DeepSeek-V3, GPT-OSS): router, token-choice top-k
+dispatch, grouped experts.
 
 Routing: softmax over the router's logits (fp32), the top-k experts per token, their weights
-renormalised to sum to one when ``norm_topk_prob``. By default no token is dropped: every expert
+renormalised to sum to one when ``norm_topk_prob``; or, as the family says (``Router``), a softmax
+over the chosen logits only (GPT-OSS), or sigmoid scores chosen within the best groups and scaled
+(DeepSeek-V3). By default no token is dropped: every expert
 computes every token routed to it. With ``capacity_factor`` each expert takes at most
 ceil(capacity_factor * S * k / E) copies of each sequence of S tokens (``capacity_mask``); per
 sequence, so which copies drop does not depend on how sequences are grouped into micro-batches and
 dp/ep ranks. With aux-loss-free balancing a per-expert bias is added to the scores
-for choosing the experts only (DeepSeek-V3); the weights stay the softmax probabilities.
+for choosing the experts only (DeepSeek-V3, whose checkpoints carry it); the weights stay the scores.
 
 Dispatch: the token copies are sorted by expert, each expert runs its SwiGLU on its contiguous
 group (``ExpertGroups``: ``F.grouped_mm`` over the jagged groups on CUDA bf16, SM >= 80; elsewhere a
