@@ -240,7 +240,6 @@ MOE_LAYOUTS = {  # name: (ranks, options, extra model options, layout line)
     "tp2-sp": (2, ["--parallel.tp", "2", "--parallel.sp", "True"], AUX, "TP2 PP1 DP1 CP1 EP1 [SP]"),
     "tp2-no-sp-shared-expert": (2, ["--parallel.tp", "2"], AUX + ("--model.shared-expert-intermediate-size", "48"),
                                 "TP2 PP1 DP1 CP1 EP1 (world 2)"),
-    "tp2-ep2": (2, ["--parallel.tp", "2", "--parallel.sp", "True", "--parallel.ep", "2"], AUX, "TP2 PP1 DP1 CP1 EP2"),
     "tp2-cp2-ep2": (4, ["--parallel.tp", "2", "--parallel.sp", "True", "--parallel.cp", "2", "--parallel.ep", "2"],
                     AUX, "TP2 PP1 DP1 CP2 EP2"),
     "tp2-dp2-ep4-bias-balancing": (4, ["--parallel.tp", "2", "--parallel.sp", "True", "--parallel.ep", "4"],
@@ -252,9 +251,8 @@ MOE_LAYOUTS = {  # name: (ranks, options, extra model options, layout line)
                                   "2"], AUX, "TP2 PP1 DP4 CP1 EP2 [SP, ETP2]"),  # FSDP over (edp, ep, etp)
     "tp2-etp2": (2, ["--parallel.tp", "2", "--parallel.sp", "True", "--parallel.etp", "2"], AUX,
                  "TP2 PP1 DP1 CP1 EP1 [SP, ETP2]"),
-    # the 5-D run of issue #6: pp2 x dp2 x tp2 with ep2 folded over dp x tp, on 8 ranks
-    "pp2-dp2-tp2-ep2": (8, ["--parallel.pp", "2", "--parallel.tp", "2", "--parallel.sp", "True", "--parallel.ep", "2"],
-                        AUX + ("--model.num-hidden-layers", "4"), "TP2 PP2 DP2 CP1 EP2"),
+    # tp2+SP x ep2 and the 5-D run of issue #6 (pp2 x dp2 x tp2+SP with ep2 folded over dp x tp, 8 ranks) are
+    # DeepSeek-V3's and GPT-OSS's layouts (tests/parity.py: FAMILY_LAYOUTS)
 }
 
 
