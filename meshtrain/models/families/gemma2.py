@@ -21,6 +21,19 @@ def pattern_layer_types(layers: int, pattern: int) -> list[str]:
     return [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(layers)]
 
 
+def layer_type_problems(family, cfg) -> list[tuple[str, str]]:
+    """model.layer_types naming a kind for each layer, and a window where some layer slides (the
+    families mixing local and global layers: Gemma 2 and 3, GPT-OSS)."""
+    kinds = cfg.layer_types
+    if kinds and (len(kinds) != cfg.num_hidden_layers or set(kinds) - {SLIDING, FULL}):
+        return [(f"model.layer_types={kinds} must name {SLIDING!r} or {FULL!r} for each of the "
+                 f"{cfg.num_hidden_layers} layers", f"list one per layer, or drop it for {family.name}'s pattern")]
+    if cfg.sliding_window is None and SLIDING in family.layer_types(cfg):
+        return [(f"model.sliding_window is unset, and {family.name}'s sliding_attention layers need a window",
+                 "set model.sliding_window")]
+    return []
+
+
 class Gemma2(Family):
     name = "gemma2"
     architecture = "Gemma2ForCausalLM"
@@ -49,15 +62,8 @@ class Gemma2(Family):
         return F.gelu(x, approximate="tanh")  # transformers' gelu_pytorch_tanh
 
     def check(self, cfg):
-        if problems := super().check(cfg):
+        if problems := super().check(cfg) or layer_type_problems(self, cfg):
             return problems
-        kinds = cfg.layer_types
-        if kinds and (len(kinds) != cfg.num_hidden_layers or set(kinds) - {SLIDING, FULL}):
-            return [(f"model.layer_types={kinds} must name {SLIDING!r} or {FULL!r} for each of the "
-                     f"{cfg.num_hidden_layers} layers", f"list one per layer, or drop it for {self.name}'s pattern")]
-        if cfg.sliding_window is None and SLIDING in self.layer_types(cfg):
-            return [(f"model.sliding_window is unset, and {self.name}'s sliding_attention layers need a window",
-                     "set model.sliding_window")]
         if not cfg.tie_word_embeddings:
             return [("model.tie_word_embeddings=false: Gemma's output head is its embedding",
                      "set model.tie_word_embeddings=true")]

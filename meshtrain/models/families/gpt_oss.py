@@ -8,7 +8,7 @@ hf/mxfp4.py dequantizes them on import exactly as transformers does; exports are
 
 from __future__ import annotations
 
-from meshtrain.models.families.gemma2 import FULL, SLIDING, pattern_layer_types
+from meshtrain.models.families.gemma2 import SLIDING, layer_type_problems, pattern_layer_types
 from meshtrain.models.family import ExpertNames, Family, required
 
 
@@ -43,15 +43,8 @@ class GptOss(Family):
         return InterleavedExperts(cfg)
 
     def check(self, cfg):
-        if problems := super().check(cfg):
+        if problems := super().check(cfg) or layer_type_problems(self, cfg):
             return problems
-        kinds = cfg.layer_types
-        if kinds and (len(kinds) != cfg.num_hidden_layers or set(kinds) - {SLIDING, FULL}):
-            return [(f"model.layer_types={kinds} must name {SLIDING!r} or {FULL!r} for each of the "
-                     f"{cfg.num_hidden_layers} layers", "list one per layer, or drop it for GPT-OSS's alternation")]
-        if cfg.sliding_window is None and SLIDING in self.layer_types(cfg):
-            return [("model.sliding_window is unset, and GPT-OSS's sliding_attention layers need a window",
-                     "set model.sliding_window (GPT-OSS: 128)")]
         if cfg.shared_expert_intermediate_size or cfg.mlp_only_layers or cfg.decoder_sparse_step != 1:
             return [("model.shared_expert_intermediate_size, mlp_only_layers or decoder_sparse_step set on "
                      "gpt_oss, whose every layer is a mixture of experts without a shared one", "drop them")]
