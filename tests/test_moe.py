@@ -417,6 +417,8 @@ SHARDED_IMPORTS = {  # name: (ranks, family, layout, HF config); the experts sha
                                {}),
     # the sinks split with the heads, the stacked experts (and their biases) read as slices of one tensor each
     "gpt_oss-tp2-sp-ep2": (2, "gpt_oss", ["--parallel.tp", "2", "--parallel.sp", "True", "--parallel.ep", "2"], {}),
+    # FSDP shards each ep shard of the stacked experts again over edp (a strided shard DCP reads and writes)
+    "gpt_oss-ep2-edp2": (4, "gpt_oss", ["--parallel.ep", "2"], {}),
 }
 
 
