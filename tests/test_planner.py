@@ -212,24 +212,58 @@ def test_activation_formula_matches_what_autograd_saves(family):
     tables excluded) against the per-layer formula with CPU's composite RMSNorm."""
     cfg = ModelConfig(family=family, hidden_size=256, intermediate_size=768, num_hidden_layers=1,
                       num_attention_heads=8, num_key_value_heads=2, vocab_size=512)
+    formula = layer_activation_elements(shape_from_model_config(cfg, family), 0, Sizes(world=1), 2 * 128, "none",
+                                        fused_norm=False, activation_bytes=4) * 4
+    # what the formula leaves out: RMSNorm's rstd and SDPA's logsumexp (one number per row)
+    assert saved_bytes(cfg, 128) == pytest.approx(formula, rel=0.01)
+
+
+def saved_bytes(cfg: ModelConfig, seq: int, batch: int = 2) -> int:
+    """The bytes of every tensor one decoder layer's backward keeps (weights and RoPE tables excluded)."""
     model = Transformer(cfg)
     init_weights(model, 0)
     skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     saved: dict[int, int] = {}
 
     def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in skip:
+        if (ptr := t.untyped_storage().data_ptr()) not in skip:
             saved[ptr] = t.untyped_storage().nbytes()
         return t
 
-    x = torch.randn(2, 128, 256, requires_grad=True)
+    x = torch.randn(batch, seq, cfg.hidden_size, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model.layers["0"](x, model.rope_cos, model.rope_sin)
-    formula = layer_activation_elements(shape_from_model_config(cfg, family), 0, Sizes(world=1), 2 * 128, "none",
-                                        fused_norm=False) * 4
-    # what the formula leaves out: RMSNorm's rstd and SDPA's logsumexp (one number per row)
-    assert sum(saved.values()) == pytest.approx(formula, rel=0.01)
+    return sum(saved.values())
+
+
+def test_latent_attention_s_activations_are_what_autograd_saves():
+    """DeepSeek-V3's dense first layer: latent attention's query and key/value latents, its values
+    padded to the query/key head dims, the attention output copied for o_proj (fp32, composite norm)."""
+    cfg = ModelConfig(family="deepseek_v3", hidden_size=256, intermediate_size=768, num_hidden_layers=1,
+                      num_attention_heads=8, num_key_value_heads=8, vocab_size=512, kv_lora_rank=64, q_lora_rank=96,
+                      qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, num_experts=4, mlp_only_layers=[0])
+    formula = layer_activation_elements(shape_from_model_config(cfg, "deepseek_v3"), 0, Sizes(world=1), 2 * 128,
+                                        "none", fused_norm=False, activation_bytes=4) * 4
+    assert saved_bytes(cfg, 128) == pytest.approx(formula, rel=0.01)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_materialised_attention_keeps_every_score_as_planned(family):
+    """Soft-capped (Gemma 2) and sink (GPT-OSS) attention keep each head's probabilities for every
+    key (Gemma 2 its tanh output too), the only activations that grow with the square of the
+    sequence: what autograd keeps beyond twice the half-length run is the formula's."""
+    extra = (dict(tie_word_embeddings=True, sliding_window=32, query_pre_attn_scalar=32, attn_logit_softcapping=50.0)
+             if family == "gemma2" else dict(num_experts=4, sliding_window=32))
+    cfg = ModelConfig(family=family, hidden_size=256, intermediate_size=768, num_hidden_layers=1,
+                      num_attention_heads=8, num_key_value_heads=2, vocab_size=512, **extra)
+    shape = shape_from_model_config(cfg, family)
+
+    def formula(seq: int) -> float:
+        return layer_activation_elements(shape, 0, Sizes(world=1), 2 * seq, "none", fused_norm=False, seq_len=seq,
+                                         activation_bytes=4) * 4
+
+    quadratic = saved_bytes(cfg, 128) - 2 * saved_bytes(cfg, 64)
+    assert quadratic == pytest.approx(formula(128) - 2 * formula(64), rel=0.025)  # the boolean mask is left out
 
 
 def kept_for_backward(layer, x: torch.Tensor, *args) -> int:

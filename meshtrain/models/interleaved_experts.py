@@ -23,6 +23,7 @@ from meshtrain.models.moe import ExpertGroups, Experts, local, use_grouped_mm
 class InterleavedExperts(Experts):
     PROJECTIONS = ("gate_up_proj", "down_proj")
     ETP_DIMS = {"gate_up_proj": 2, "gate_up_proj_bias": 1, "down_proj": 1}
+    SAVED_PER_ROW = 7  # gate_up (2), the clamped gate, its sigmoid, their product, up + 1, the product
 
     def __init__(self, cfg: ModelConfig):
         nn.Module.__init__(self)

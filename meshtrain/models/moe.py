@@ -161,6 +161,8 @@ class Experts(nn.Module):
     PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
     ETP_DIMS = {"gate_proj": 1, "up_proj": 1, "down_proj": 2}
     """The dim of each stacked weight that expert tensor parallelism splits: the FFN width."""
+    SAVED_PER_ROW = 4
+    """Elements of the FFN width autograd keeps per token copy (gate, up, silu(gate), product: the planner's)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -140,8 +140,11 @@ def trainer_rank_state(cfg: JobConfig, layout, *, pp_rank: int, tp_rank: int, fs
 
 
 def layer_activation_elements(s: ModelShape, layer: int, sizes: Sizes, tokens: int, ac: str,
-                              fused_norm: bool = True) -> float:
-    """Elements autograd keeps for one micro-batch of ``tokens`` (= micro * seq) through ``layer``.
+                              fused_norm: bool = True, seq_len: int | None = None,
+                              activation_bytes: int = 2) -> float:
+    """Elements autograd keeps for one micro-batch of ``tokens`` (= micro * seq) through ``layer``,
+    in the activations' dtype of ``activation_bytes`` (``seq_len``: the keys each query meets,
+    ``tokens`` when None).
 
     Per layer, with t = tp, c = cp, T = tokens / c (checked against the tensors autograd saves in
     tests/test_planner.py):
@@ -160,14 +163,24 @@ def layer_activation_elements(s: ModelShape, layer: int, sizes: Sizes, tokens: i
       o_proj and down_proj outputs (whole per tp rank):   2 T h
       gate and up outputs:                                2 T i / t
       MoE instead of gate/up/down: the router's logits T E, and per routed copy 2 i_e / etp + h
+    Attention computed on materialised scores (Gemma 2's soft-capping, GPT-OSS's sinks:
+    ``materialized_attention``) keeps per head and query every key's probability, in fp32 and
+    (when the activations are not) again in their dtype for the product with v, plus Gemma 2's
+    tanh output: T (heads / t) S x that many, S the sequence (every key, under cp too); k and v
+    repeated to every head (2 q instead of 2 kv). Selective checkpointing keeps the scores' matmul
+    output: T (heads / t) S. GPT-OSS's experts keep 7 i_e per copy (clamps and the sigmoid gate:
+    ``expert_activations``). Latent attention (DeepSeek) keeps its latents whole per tp rank (the
+    query latent and, per norm copy, its normalised one; the key/value latent with the RoPE key),
+    and a copy of the attention output for o_proj: T (latent terms + heads v / t).
     """
     t, T, h = sizes.tp, tokens / sizes.cp, s.hidden_size
     split = t if sizes.sp else 1
     q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    scores = T * s.num_heads / t * (seq_len or tokens)  # per layer, when materialised
     if ac == "full":
         return T * h / split
     if ac == "selective":
-        elements = T * h / split + T * (2 * q + 2 * kv) / t + T * h
+        elements = T * h / split + T * (2 * q + 2 * kv) / t + T * h + (scores if s.materialized_attention else 0)
         if s.is_sparse(layer):
             k, ei = s.experts_per_token, s.expert_intermediate_size
             elements += T / split * (s.num_experts + k * (2 * ei / sizes.etp + h))
@@ -177,12 +190,21 @@ def layer_activation_elements(s: ModelShape, layer: int, sizes: Sizes, tokens: i
             elements += 2 * T * s.intermediate_size / t + T * h
         return elements
     copies = 1 if fused_norm else 2
+    if s.materialized_attention:
+        kv = q  # k and v repeated to every head
+        per_score = 4 / activation_bytes + (activation_bytes != 4) + (s.materialized_attention == "softcapped")
+        elements = scores * per_score
+    else:
+        elements = 0.0
     attn = 2 * q + 2 * kv + ((q + kv) * copies if s.qk_norm else 0)
-    elements = 2 * copies * T * h / split + 2 * T * h + T * attn / t
+    elements += 2 * copies * T * h / split + 2 * T * h + T * attn / t
+    if s.latent_attention:
+        q_rank, kv_rank, rope = s.latent_attention
+        elements += T * ((copies + 1) * q_rank + kv_rank + rope + copies * kv_rank) + T * s.num_heads * s.v_head_dim / t
     if s.is_sparse(layer):
         k, ei = s.experts_per_token, s.expert_intermediate_size
         # MoE tokens: each tp rank routes the whole sequence unless SP split it.
-        elements += T / split * k * (2 * h + 4 * ei / sizes.etp)
+        elements += T / split * k * (2 * h + s.expert_activations * ei / sizes.etp)
         if s.shared_expert_intermediate_size:
             elements += 4 * T * s.shared_expert_intermediate_size / t
     else:
@@ -277,11 +299,13 @@ def estimate(s: ModelShape, sizes: Sizes, cfg: PlanConfig, schedule: str, microb
         stages = stage_ids_of(pp_rank, sizes, schedule)
         layers = [t.layer for t in stage_tensors(parameter_tensors(s), s, sizes, stages) if t.layer is not None]
         layer_ids = sorted(set(layers))
-        per_layer = [layer_activation_elements(s, i, sizes, tokens, ac) for i in layer_ids]
+        per_layer = [layer_activation_elements(s, i, sizes, tokens, ac, seq_len=cfg.seq_len,
+                                               activation_bytes=prec.activations) for i in layer_ids]
         flight = in_flight_microbatches(sizes, schedule, microbatches, pp_rank)
         act = sum(per_layer) * flight * prec.activations
         if ac != "none" and layer_ids:  # one layer is recomputed at a time in backward (at most all of it)
-            act += layer_activation_elements(s, layer_ids[0], sizes, tokens, "none") * prec.activations
+            act += layer_activation_elements(s, layer_ids[0], sizes, tokens, "none", seq_len=cfg.seq_len,
+                                             activation_bytes=prec.activations) * prec.activations
         last = (sizes.pp * sizes.vpp - 1) in stages
         # logits (compute dtype) + their fp32 copy + log-softmax output, vocab-sharded by tp (loss_parallel)
         logits = tokens / sizes.cp * s.vocab_size / sizes.tp * (prec.activations + 8) if last else 0.0

@@ -49,6 +49,14 @@ class ModelShape:
     lora_targets: tuple[str, ...] = ()
     lora_magnitudes: bool = False
     """DoRA: a trained magnitude per output row of each adapted linear, besides A and B."""
+    materialized_attention: str = ""
+    """How attention is computed where no SDPA kernel does it: "softcapped" (Gemma 2), "sinks"
+    (GPT-OSS), or "" (SDPA): the first two keep every score (planning/memory.py)."""
+    latent_attention: tuple[int, int, int] | None = None
+    """Multi-head latent attention's (q_lora_rank or 0, kv_lora_rank, qk_rope_head_dim) (DeepSeek)."""
+    v_head_dim: int = 0
+    expert_activations: int = 4
+    """Elements of the FFN width an expert keeps per routed copy (SwiGLU: 4; GPT-OSS's clamped one: 7)."""
     reference_copy: bool = False
     """Preference training without LoRA: a frozen copy of the weights, sharded like them, is the reference."""
     model: ModelConfig | None = dataclasses.field(default=None, compare=False)
@@ -146,10 +154,20 @@ def shape_from_model_config(m: ModelConfig, name: str) -> ModelShape:
                    expert_intermediate_size=m.resolved_moe_intermediate_size,
                    shared_expert_intermediate_size=m.shared_expert_intermediate_size,
                    dense_layers=tuple(i for i in range(m.num_hidden_layers) if not m.is_sparse_layer(i)))
+    family = m.definition
+    if m.is_moe:
+        import torch
+
+        with torch.device("meta"):
+            moe["expert_activations"] = family.experts_module(m).SAVED_PER_ROW
+    latent = (m.q_lora_rank or 0, m.kv_lora_rank, m.qk_rope_head_dim) if m.kv_lora_rank else None
+    materialized = "sinks" if family.attention_sinks else "softcapped" if m.attn_logit_softcapping else ""
     return ModelShape(name=name, vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_layers=m.num_hidden_layers,
-                      # a head's query/key dims: what its q, k (and v, padded to them under latent attention) hold
-                      num_heads=m.num_attention_heads, num_kv_heads=m.num_key_value_heads,
-                      head_dim=m.definition.attention_dims(m)[0],
+                      # a head's query/key dims: what its q, k (and v, padded to them under latent attention) hold;
+                      # latent attention's keys and values are per head
+                      num_heads=m.num_attention_heads, num_kv_heads=m.num_attention_heads if latent else m.num_key_value_heads,
+                      head_dim=family.attention_dims(m)[0], materialized_attention=materialized,
+                      latent_attention=latent, v_head_dim=family.attention_dims(m)[1],
                       intermediate_size=m.intermediate_size, tied=m.tie_word_embeddings, qk_norm=m.definition.qk_norm,
                       max_position_embeddings=m.max_position_embeddings, model=m, **moe)
 
