@@ -152,14 +152,14 @@ def meshtrain_from(directory: pathlib.Path):
     return model.eval()
 
 
-def imported(directory: pathlib.Path):
+def imported(directory: pathlib.Path, **model_options):
     """meshtrain's model of a checkpoint directory, loaded as the trainer loads it (meta, then the files)."""
     from meshtrain.config import ModelConfig
     from meshtrain.hf.adapter import resolve_init_from_hf
     from meshtrain.hf.io import load_hf_weights
     from meshtrain.models.transformer import Transformer
 
-    cfg = resolve_init_from_hf(ModelConfig(init_from_hf=str(directory)))
+    cfg = resolve_init_from_hf(ModelConfig(init_from_hf=str(directory), **model_options))
     with torch.device("meta"):
         model = Transformer(cfg)
     model.to_empty(device="cpu")

@@ -325,7 +325,8 @@ def test_convert_round_trip_is_bit_exact(tmp_path, family):
 @pytest.mark.parametrize("how", ["mtp-layer", "fp8"])
 def test_deepseek_v3_release_quirks_are_refused_naming_them(tmp_path, how):
     """DeepSeek's released checkpoints carry a multi-token-prediction layer (model.layers.61) and FP8
-    weights: the import names each and the fix, before any rank reads a tensor."""
+    weights: the import names each and the fix, before any rank reads a tensor; with
+    model.skip_mtp_layers the MTP layer is left unread and the model gives transformers' logits."""
     from safetensors.torch import load_file, save_file
 
     from meshtrain.config import ModelConfig
@@ -340,8 +341,14 @@ def test_deepseek_v3_release_quirks_are_refused_naming_them(tmp_path, how):
         tensors |= {k.replace("layers.2.", "layers.3."): v.clone() for k, v in tensors.items() if "layers.2." in k}
         tensors["model.layers.3.eh_proj.weight"] = torch.zeros(48, 96)
         save_file(tensors, file)
-        with pytest.raises(CheckpointError, match=r"tensors of model.layers.3, the multi-token prediction module.*Fix"):
+        with pytest.raises(CheckpointError, match=r"tensors of multi-token prediction modules \(model.layers.3.eh_proj.weight"
+                                                  r".*Fix: set model.skip_mtp_layers=true"):
             imported(directory)
+        model = imported(directory, skip_mtp_layers=True)  # they are left unread; the rest is the model
+        hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        tokens = torch.randint(0, 383, (1, 16), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            torch.testing.assert_close(model(tokens), hf(tokens).logits, rtol=1e-5, atol=1e-5)
     else:
         config = json.loads((directory / "config.json").read_text())
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}

@@ -199,7 +199,7 @@ def read_hf_config(directory: str | pathlib.Path) -> dict:
 
 def architecture_fields(cfg: ModelConfig) -> dict[str, Any]:
     """The ModelConfig fields that define the weights (what a checkpoint must agree on), as JSON values."""
-    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("init_from_hf", "init_std")}
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("init_from_hf", "init_std", "skip_mtp_layers")}
 
 
 def resolve_init_from_hf(model: ModelConfig) -> ModelConfig:
@@ -219,4 +219,4 @@ def resolve_init_from_hf(model: ModelConfig) -> ModelConfig:
         if mine[name] != default[name] and mine[name] != theirs:
             raise CheckpointError(f"model.{name}={mine[name]!r} but {where} says {theirs!r}; with model.init_from_hf "
                                   f"the architecture comes from the checkpoint. Fix: drop the model.{name} setting")
-    return dataclasses.replace(loaded, init_from_hf=directory)
+    return dataclasses.replace(loaded, init_from_hf=directory, skip_mtp_layers=model.skip_mtp_layers)

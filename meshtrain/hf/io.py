@@ -109,9 +109,14 @@ def inspect_hf_dir(directory: str | pathlib.Path, expected: dict[str, torch.Size
                                   "config.json says tie_word_embeddings=true (one matrix for both). Fix: set "
                                   "tie_word_embeddings to false in config.json if the head is its own matrix")
         del found[TIED_HEAD]
-    if (unexpected := set(found) - set(expected)) and cfg is not None and \
-            (known := cfg.definition.extra_tensors(unexpected, cfg)):
-        raise CheckpointError(f"{root}: {known}")
+    unexpected = set(found) - set(expected)
+    if mtp := cfg.definition.mtp_tensors(unexpected, cfg) if cfg is not None and unexpected else set():
+        if not cfg.skip_mtp_layers:
+            raise CheckpointError(f"{root}: {len(mtp)} tensors of multi-token prediction modules ({_shorten(mtp, 2)}), "
+                                  "which meshtrain does not train (transformers skips them too). Fix: set "
+                                  "model.skip_mtp_layers=true to import the model without them")
+        unexpected -= mtp
+        found = {k: v for k, v in found.items() if k not in mtp}
     if unexpected:
         raise CheckpointError(f"{root}: unexpected tensors {_shorten(unexpected)} (in "
                               f"{found[min(unexpected)][0]}); meshtrain's model has no such parameter")

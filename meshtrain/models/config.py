@@ -96,6 +96,10 @@ class ModelConfig:
     init_from_hf: str | None = None
     """A Hugging Face model directory (config.json + *.safetensors): the architecture comes from its
     config.json and each rank reads only its slices of the weights, for any layout."""
+    skip_mtp_layers: bool = False
+    """Import a checkpoint that carries multi-token-prediction layers (DeepSeek-V3's and R1's
+    model.layers.61) without them: meshtrain does not train MTP, so they are left unread and an export
+    holds none. Without it such a checkpoint is refused, naming them."""
 
     num_experts: int = 0
     """Routed experts per MoE layer (MoE families only; HF: num_experts / num_local_experts)."""

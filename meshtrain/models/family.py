@@ -201,10 +201,10 @@ class Family:
                      f"use family {moe}, or set model.num_experts=0")]
         return []
 
-    def extra_tensors(self, keys: set[str], cfg: ModelConfig) -> str | None:
-        """What the checkpoint's tensors ``keys``, which the model does not have, are, when the family
-        knows (an import then names it in its error)."""
-        return None
+    def mtp_tensors(self, keys: set[str], cfg: ModelConfig) -> set[str]:
+        """Which of the checkpoint's tensors ``keys`` (ones the model does not have) belong to
+        multi-token-prediction modules, which meshtrain does not train (``model.skip_mtp_layers``)."""
+        return set()
 
     # --- Hugging Face tensor names ---------------------------------------------------------------
 

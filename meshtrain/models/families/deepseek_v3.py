@@ -5,7 +5,7 @@ bias (HF's ``e_score_correction_bias``, meshtrain's aux-loss-free balancing bias
 written and updated by ``model.router_bias_update_rate``), group-limited top-k, weights renormalised
 and scaled by ``routed_scaling_factor``, and ``n_shared_experts`` experts' worth of shared SwiGLU
 (HF's ``shared_experts``). The released checkpoints' multi-token-prediction layer (layer 61) is
-refused on import, naming it: meshtrain does not train it."""
+not trained: an import names it and refuses, or with ``model.skip_mtp_layers`` leaves it unread."""
 
 from __future__ import annotations
 
@@ -74,15 +74,8 @@ class DeepseekV3(Family):
         ]
         return [(problem, fix) for ok, problem, fix in rules if not ok][:1]
 
-    def extra_tensors(self, keys: set[str], cfg) -> str | None:
-        """Why a checkpoint holds tensors past the model's layers: the multi-token-prediction modules."""
-        mtp = {k for k in keys if k.startswith(f"model.layers.{cfg.num_hidden_layers}.")}
-        if not mtp:
-            return None
-        return (f"{len(mtp)} tensors of model.layers.{cfg.num_hidden_layers}, the multi-token prediction module "
-                "(num_nextn_predict_layers), which meshtrain does not train (transformers skips them too). Fix: "
-                "drop them from the safetensors files and model.safetensors.index.json, or use a checkpoint "
-                "without them")
+    def mtp_tensors(self, keys, cfg):
+        return {k for k in keys if k.startswith(f"model.layers.{cfg.num_hidden_layers}.")}
 
     def config_from_hf(self, hf, where):
         experts = hf.get("n_routed_experts") or required(hf, "num_local_experts", where)
