@@ -206,15 +206,30 @@ def test_sp_cp_and_checkpointing_shrink_activations_as_stated():
     assert cp2 == pytest.approx(sp / 2) and ac == pytest.approx(T * h / 8)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+FAMILY_OPTIONS = {  # each family's own blocks at the tests' size: windows shorter than the sequence, MoE layers
+    "llama": {}, "qwen3": {}, "qwen3_moe": dict(num_experts=4, moe_intermediate_size=192),
+    "gemma2": dict(tie_word_embeddings=True, sliding_window=32, query_pre_attn_scalar=32, attn_logit_softcapping=50.0),
+    "gpt_oss": dict(num_experts=4, moe_intermediate_size=192, sliding_window=32),
+    "deepseek_v3": dict(num_key_value_heads=8, kv_lora_rank=64, q_lora_rank=96, qk_nope_head_dim=32,
+                        qk_rope_head_dim=16, v_head_dim=32, num_experts=4, moe_intermediate_size=192),
+}
+
+
+def family_config(family: str) -> ModelConfig:
+    return ModelConfig(**(dict(family=family, hidden_size=256, intermediate_size=768, num_hidden_layers=1,
+                               num_attention_heads=8, num_key_value_heads=2, vocab_size=512) | FAMILY_OPTIONS[family]))
+
+
+@pytest.mark.parametrize("family", FAMILY_OPTIONS)
 def test_activation_formula_matches_what_autograd_saves(family):
-    """One decoder layer on CPU: the bytes of every tensor its backward keeps (weights and the RoPE
-    tables excluded) against the per-layer formula with CPU's composite RMSNorm."""
-    cfg = ModelConfig(family=family, hidden_size=256, intermediate_size=768, num_hidden_layers=1,
-                      num_attention_heads=8, num_key_value_heads=2, vocab_size=512)
+    """One decoder layer on CPU (fp32, composite RMSNorm): the bytes of every tensor its backward keeps
+    (weights and the RoPE tables excluded) against the per-layer formula: Gemma 2's four norms and
+    soft-capped scores, GPT-OSS's sinks and clamped experts, DeepSeek-V3's latent attention, the MoE
+    layers' routed copies."""
+    cfg = family_config(family)
     formula = layer_activation_elements(shape_from_model_config(cfg, family), 0, Sizes(world=1), 2 * 128, "none",
-                                        fused_norm=False, activation_bytes=4) * 4
-    # what the formula leaves out: RMSNorm's rstd and SDPA's logsumexp (one number per row)
+                                        fused_norm=False, seq_len=128, activation_bytes=4) * 4
+    # what the formula leaves out: RMSNorm's rstd, SDPA's logsumexp (a number per row), routing's indices
     assert saved_bytes(cfg, 128) == pytest.approx(formula, rel=0.01)
 
 
@@ -236,26 +251,12 @@ def saved_bytes(cfg: ModelConfig, seq: int, batch: int = 2) -> int:
     return sum(saved.values())
 
 
-def test_latent_attention_s_activations_are_what_autograd_saves():
-    """DeepSeek-V3's dense first layer: latent attention's query and key/value latents, its values
-    padded to the query/key head dims, the attention output copied for o_proj (fp32, composite norm)."""
-    cfg = ModelConfig(family="deepseek_v3", hidden_size=256, intermediate_size=768, num_hidden_layers=1,
-                      num_attention_heads=8, num_key_value_heads=8, vocab_size=512, kv_lora_rank=64, q_lora_rank=96,
-                      qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, num_experts=4, mlp_only_layers=[0])
-    formula = layer_activation_elements(shape_from_model_config(cfg, "deepseek_v3"), 0, Sizes(world=1), 2 * 128,
-                                        "none", fused_norm=False, activation_bytes=4) * 4
-    assert saved_bytes(cfg, 128) == pytest.approx(formula, rel=0.01)
-
-
 @pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
 def test_materialised_attention_keeps_every_score_as_planned(family):
     """Soft-capped (Gemma 2) and sink (GPT-OSS) attention keep each head's probabilities for every
     key (Gemma 2 its tanh output too), the only activations that grow with the square of the
     sequence: what autograd keeps beyond twice the half-length run is the formula's."""
-    extra = (dict(tie_word_embeddings=True, sliding_window=32, query_pre_attn_scalar=32, attn_logit_softcapping=50.0)
-             if family == "gemma2" else dict(num_experts=4, sliding_window=32))
-    cfg = ModelConfig(family=family, hidden_size=256, intermediate_size=768, num_hidden_layers=1,
-                      num_attention_heads=8, num_key_value_heads=2, vocab_size=512, **extra)
+    cfg = family_config(family)
     shape = shape_from_model_config(cfg, family)
 
     def formula(seq: int) -> float:

@@ -148,13 +148,14 @@ def layer_activation_elements(s: ModelShape, layer: int, sizes: Sizes, tokens: i
 
     Per layer, with t = tp, c = cp, T = tokens / c (checked against the tensors autograd saves in
     tests/test_planner.py):
-      norm inputs (2), kept for RMSNorm's backward:        2 T h  (/ t with SP)
+      norm inputs (2; Gemma's 4), kept for RMSNorm's backward: 2 T h  (/ t with SP)
       norm outputs (2), the inputs of q/k/v and gate/up:   2 T h  (whole per tp rank: torch's SP gathers
                                                                    them, then the matmul saves them)
       q, k, v and the attention output (SDPA's saves):     T (2 q + 2 kv) / t  (+ q, k before their norms
                                                                    for Qwen3)
       SwiGLU gate, up, silu(gate), their product:          4 T i / t
-      MoE instead: top-k copies of the token (h), 4 i_e and the expert output (h) per copy, / etp
+      MoE instead: per routed copy the token (h), 4 i_e / etp, the expert output (h) and its weighted
+      copy (h, which index_add keeps for the combine)
     A fused RMSNorm kernel (CUDA) saves its input and rstd; the composite one (CPU) also saves the
     normalized input (``fused_norm=False``). ``ac`` (train.activation_checkpointing): with full
     checkpointing only the layer input T h (/ t with SP) is kept; selective keeps the input and the
@@ -197,14 +198,14 @@ def layer_activation_elements(s: ModelShape, layer: int, sizes: Sizes, tokens: i
     else:
         elements = 0.0
     attn = 2 * q + 2 * kv + ((q + kv) * copies if s.qk_norm else 0)
-    elements += 2 * copies * T * h / split + 2 * T * h + T * attn / t
+    elements += s.norms_per_layer * copies * T * h / split + 2 * T * h + T * attn / t
     if s.latent_attention:
         q_rank, kv_rank, rope = s.latent_attention
         elements += T * ((copies + 1) * q_rank + kv_rank + rope + copies * kv_rank) + T * s.num_heads * s.v_head_dim / t
     if s.is_sparse(layer):
         k, ei = s.experts_per_token, s.expert_intermediate_size
         # MoE tokens: each tp rank routes the whole sequence unless SP split it.
-        elements += T / split * k * (2 * h + s.expert_activations * ei / sizes.etp)
+        elements += T / split * k * (3 * h + s.expert_activations * ei / sizes.etp)
         if s.shared_expert_intermediate_size:
             elements += 4 * T * s.shared_expert_intermediate_size / t
     else:

@@ -55,6 +55,8 @@ class ModelShape:
     latent_attention: tuple[int, int, int] | None = None
     """Multi-head latent attention's (q_lora_rank or 0, kv_lora_rank, qk_rope_head_dim) (DeepSeek)."""
     v_head_dim: int = 0
+    norms_per_layer: int = 2
+    """RMSNorms in a decoder layer, each keeping its input (Gemma's sandwich layers: 4)."""
     expert_activations: int = 4
     """Elements of the FFN width an expert keeps per routed copy (SwiGLU: 4; GPT-OSS's clamped one: 7)."""
     reference_copy: bool = False
@@ -154,11 +156,14 @@ def shape_from_model_config(m: ModelConfig, name: str) -> ModelShape:
                    expert_intermediate_size=m.resolved_moe_intermediate_size,
                    shared_expert_intermediate_size=m.shared_expert_intermediate_size,
                    dense_layers=tuple(i for i in range(m.num_hidden_layers) if not m.is_sparse_layer(i)))
-    family = m.definition
-    if m.is_moe:
-        import torch
+    import torch
 
-        with torch.device("meta"):
+    from meshtrain.models.transformer import RMSNorm
+
+    family = m.definition
+    with torch.device("meta"):
+        norms = sum(isinstance(c, RMSNorm) for c in family.decoder_layer(m, 0).children())
+        if m.is_moe:
             moe["expert_activations"] = family.experts_module(m).SAVED_PER_ROW
     latent = (m.q_lora_rank or 0, m.kv_lora_rank, m.qk_rope_head_dim) if m.kv_lora_rank else None
     materialized = "sinks" if family.attention_sinks else "softcapped" if m.attn_logit_softcapping else ""
@@ -167,7 +172,7 @@ def shape_from_model_config(m: ModelConfig, name: str) -> ModelShape:
                       # latent attention's keys and values are per head
                       num_heads=m.num_attention_heads, num_kv_heads=m.num_attention_heads if latent else m.num_key_value_heads,
                       head_dim=family.attention_dims(m)[0], materialized_attention=materialized,
-                      latent_attention=latent, v_head_dim=family.attention_dims(m)[1],
+                      latent_attention=latent, v_head_dim=family.attention_dims(m)[1], norms_per_layer=norms,
                       intermediate_size=m.intermediate_size, tied=m.tie_word_embeddings, qk_norm=m.definition.qk_norm,
                       max_position_embeddings=m.max_position_embeddings, model=m, **moe)
 
