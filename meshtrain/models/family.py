@@ -65,6 +65,9 @@ class Family:
     """A learned logit per head in each attention softmax's denominator (GPT-OSS's sinks)."""
     windowed: bool = False
     """Every layer's attention is local over ``model.sliding_window`` tokens when that is set (Mistral)."""
+    layer_pattern: int = 0
+    """Local and global layers (``model.layer_types``): by default every layer_pattern-th global, the
+    rest local over ``model.sliding_window`` (Gemma 2, GPT-OSS: 2; Gemma 3: 6); 0 for none."""
     offset_norm: bool = False
     """Gemma's RMSNorm: (1 + weight), computed in fp32."""
     settings: frozenset[str] = frozenset()
@@ -159,8 +162,16 @@ class Family:
                          sliding_window=window, local_rope=window is not None and cfg.local_rope_theta is not None,
                          output_bias=self.output_bias, sinks=self.attention_sinks)
 
+    def layer_types(self, cfg: ModelConfig) -> list[str]:
+        """Each layer's attention, SLIDING or FULL, where the family mixes them (``layer_pattern``)."""
+        if not self.layer_pattern:
+            return list(cfg.layer_types)
+        return cfg.layer_types or pattern_layer_types(cfg.num_hidden_layers, self.layer_pattern)
+
     def sliding_window(self, cfg: ModelConfig, layer: int) -> int | None:
         """The window of layer ``layer``'s attention, or None for full causal attention."""
+        if self.layer_pattern:
+            return cfg.sliding_window if self.layer_types(cfg)[layer] == SLIDING else None
         return cfg.sliding_window if self.windowed else None
 
     def needs_masked_attention(self, cfg: ModelConfig, seq_len: int) -> bool:
@@ -199,6 +210,13 @@ class Family:
             moe = " or ".join(f.name for f in families.every() if f.is_moe)
             return [(f"model.num_experts={cfg.num_experts} on the dense family {self.name!r}",
                      f"use family {moe}, or set model.num_experts=0")]
+        kinds = cfg.layer_types
+        if self.layer_pattern and kinds and (len(kinds) != cfg.num_hidden_layers or set(kinds) - {SLIDING, FULL}):
+            return [(f"model.layer_types={kinds} must name {SLIDING!r} or {FULL!r} for each of the "
+                     f"{cfg.num_hidden_layers} layers", f"list one per layer, or drop it for {self.name}'s pattern")]
+        if self.layer_pattern and cfg.sliding_window is None and SLIDING in self.layer_types(cfg):
+            return [(f"model.sliding_window is unset, and {self.name}'s sliding_attention layers need a window",
+                     "set model.sliding_window")]
         return []
 
     def mtp_tensors(self, keys: set[str], cfg: ModelConfig) -> set[str]:
@@ -300,12 +318,26 @@ class Family:
         """The ModelConfig fields this family reads beyond the common ones (hf/adapter.py)."""
         return {}
 
+    def layer_types_from_hf(self, hf: dict, where: str) -> list[str]:
+        """config.json's ``layer_types``, or the ones its ``sliding_window_pattern`` (else the
+        family's ``layer_pattern``) gives."""
+        return list(hf.get("layer_types") or pattern_layer_types(
+            required(hf, "num_hidden_layers", where), hf.get("sliding_window_pattern", self.layer_pattern)))
+
     def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
         """The config.json keys this family writes beyond the common ones."""
         return {"hidden_act": "silu", "attention_bias": False}
 
 
 LM_HEAD = "lm_head.weight"
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def pattern_layer_types(layers: int, pattern: int) -> list[str]:
+    """Every pattern-th layer global, the rest local (transformers' sliding_window_pattern)."""
+    return [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(layers)]
+
+
 _LAYER_WEIGHT = re.compile(r"(layers\.\d+)\.(.+)\.weight")
 OPTIONAL_SETTINGS = frozenset({"sliding_window", "layer_types", "local_rope_theta", "query_pre_attn_scalar",
                                "attn_logit_softcapping", "final_logit_softcapping", "kv_lora_rank", "q_lora_rank",

@@ -13,43 +13,16 @@ import torch.nn.functional as F
 
 from meshtrain.models.family import Family, required
 
-SLIDING, FULL = "sliding_attention", "full_attention"
-
-
-def pattern_layer_types(layers: int, pattern: int) -> list[str]:
-    """Every pattern-th layer global, the rest local (transformers' sliding_window_pattern)."""
-    return [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(layers)]
-
-
-def layer_type_problems(family, cfg) -> list[tuple[str, str]]:
-    """model.layer_types naming a kind for each layer, and a window where some layer slides (the
-    families mixing local and global layers: Gemma 2 and 3, GPT-OSS)."""
-    kinds = cfg.layer_types
-    if kinds and (len(kinds) != cfg.num_hidden_layers or set(kinds) - {SLIDING, FULL}):
-        return [(f"model.layer_types={kinds} must name {SLIDING!r} or {FULL!r} for each of the "
-                 f"{cfg.num_hidden_layers} layers", f"list one per layer, or drop it for {family.name}'s pattern")]
-    if cfg.sliding_window is None and SLIDING in family.layer_types(cfg):
-        return [(f"model.sliding_window is unset, and {family.name}'s sliding_attention layers need a window",
-                 "set model.sliding_window")]
-    return []
-
 
 class Gemma2(Family):
     name = "gemma2"
     architecture = "Gemma2ForCausalLM"
     model_type = "gemma2"
     offset_norm = True
-    pattern = 2
-    """Without layer_types: every pattern-th layer global, the rest local (sliding_window_pattern)."""
+    layer_pattern = 2
     settings = frozenset({"sliding_window", "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping",
                           "final_logit_softcapping"})
     unsupported = {"hidden_activation": "gelu_pytorch_tanh", "attention_bias": False}
-
-    def layer_types(self, cfg) -> list[str]:
-        return cfg.layer_types or pattern_layer_types(cfg.num_hidden_layers, self.pattern)
-
-    def sliding_window(self, cfg, layer):
-        return cfg.sliding_window if self.layer_types(cfg)[layer] == SLIDING else None
 
     def decoder_layer(self, cfg, layer):
         from meshtrain.models.transformer import SandwichDecoderLayer
@@ -62,7 +35,7 @@ class Gemma2(Family):
         return F.gelu(x, approximate="tanh")  # transformers' gelu_pytorch_tanh
 
     def check(self, cfg):
-        if problems := super().check(cfg) or layer_type_problems(self, cfg):
+        if problems := super().check(cfg):
             return problems
         if not cfg.tie_word_embeddings:
             return [("model.tie_word_embeddings=false: Gemma's output head is its embedding",
@@ -70,9 +43,8 @@ class Gemma2(Family):
         return []
 
     def config_from_hf(self, hf, where):
-        kinds = hf.get("layer_types") or pattern_layer_types(required(hf, "num_hidden_layers", where),
-                                                             hf.get("sliding_window_pattern", self.pattern))
-        return dict(layer_types=list(kinds), sliding_window=required(hf, "sliding_window", where),
+        return dict(layer_types=self.layer_types_from_hf(hf, where),
+                    sliding_window=required(hf, "sliding_window", where),
                     query_pre_attn_scalar=int(required(hf, "query_pre_attn_scalar", where)),
                     attn_logit_softcapping=hf.get("attn_logit_softcapping"),
                     final_logit_softcapping=hf.get("final_logit_softcapping"),

@@ -6,7 +6,8 @@ scaling in the 4B and up), five local to one global by default."""
 from __future__ import annotations
 
 from meshtrain.errors import CheckpointError
-from meshtrain.models.families.gemma2 import FULL, SLIDING, Gemma2
+from meshtrain.models.families.gemma2 import Gemma2
+from meshtrain.models.family import FULL, SLIDING
 
 
 class Gemma3(Gemma2):
@@ -14,7 +15,7 @@ class Gemma3(Gemma2):
     architecture = "Gemma3ForCausalLM"
     model_type = "gemma3_text"
     qk_norm = True
-    pattern = 6
+    layer_pattern = 6
     settings = frozenset({"sliding_window", "layer_types", "local_rope_theta", "query_pre_attn_scalar"})
     unsupported = Gemma2.unsupported | {"attn_logit_softcapping": None, "final_logit_softcapping": None,
                                         "use_bidirectional_attention": False}

@@ -8,7 +8,6 @@ hf/mxfp4.py dequantizes them on import exactly as transformers does; exports are
 
 from __future__ import annotations
 
-from meshtrain.models.families.gemma2 import SLIDING, layer_type_problems, pattern_layer_types
 from meshtrain.models.family import ExpertNames, Family, required
 
 
@@ -24,16 +23,11 @@ class GptOss(Family):
     router_bias = True
     expert_biases = True
     quantizations = frozenset({"mxfp4"})
+    layer_pattern = 2
     settings = frozenset({"sliding_window", "layer_types", "swiglu_alpha", "swiglu_limit"})
     renames = {"mlp.gate.": "mlp.router.", "mlp.expert_output_bias": "mlp.experts.down_proj_bias",
                "self_attn.sinks.weight": "self_attn.sinks"}
     unsupported = {"hidden_act": "silu", "attention_bias": True, "attention_dropout": 0.0}
-
-    def layer_types(self, cfg) -> list[str]:
-        return cfg.layer_types or pattern_layer_types(cfg.num_hidden_layers, 2)
-
-    def sliding_window(self, cfg, layer):
-        return cfg.sliding_window if self.layer_types(cfg)[layer] == SLIDING else None
 
     def is_sparse_layer(self, cfg, layer):
         return cfg.num_experts > 0
@@ -43,7 +37,7 @@ class GptOss(Family):
         return InterleavedExperts(cfg)
 
     def check(self, cfg):
-        if problems := super().check(cfg) or layer_type_problems(self, cfg):
+        if problems := super().check(cfg):
             return problems
         if cfg.shared_expert_intermediate_size or cfg.mlp_only_layers or cfg.decoder_sparse_step != 1:
             return [("model.shared_expert_intermediate_size, mlp_only_layers or decoder_sparse_step set on "
@@ -51,12 +45,11 @@ class GptOss(Family):
         return []
 
     def config_from_hf(self, hf, where):
-        layers = required(hf, "num_hidden_layers", where)
         return dict(num_experts=required(hf, "num_local_experts", where),
                     num_experts_per_tok=required(hf, "num_experts_per_tok", where),
                     router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
                     sliding_window=required(hf, "sliding_window", where),
-                    layer_types=list(hf.get("layer_types") or pattern_layer_types(layers, 2)),
+                    layer_types=self.layer_types_from_hf(hf, where),
                     swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)), swiglu_limit=float(hf.get("swiglu_limit", 7.0)))
 
     def config_to_hf(self, cfg):
