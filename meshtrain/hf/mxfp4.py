@@ -28,6 +28,12 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2
 DEQUANTIZED = torch.bfloat16
 
 
+def packed_names(keys) -> list[str]:
+    """The tensors that ``keys`` hold as MXFP4: the names with both a ``_blocks`` and a ``_scales`` key."""
+    keys = set(keys)
+    return [k.removesuffix(BLOCKS) for k in keys if k.endswith(BLOCKS) and k.removesuffix(BLOCKS) + SCALES in keys]
+
+
 def logical_shape(blocks_shape) -> torch.Size:
     """[E, rows, groups, 16] blocks -> the stored tensor [E, groups * 32, rows] (transposed back)."""
     experts, rows, groups, width = blocks_shape
@@ -38,9 +44,8 @@ def logical_tensors(found: dict[str, tuple]) -> dict[str, tuple]:
     """``found`` (key -> (file, shape, dtype), inspect_hf_dir's) with each blocks/scales pair as the
     one tensor it stands for, in bf16."""
     out = dict(found)
-    for key in [k for k in found if k.endswith(BLOCKS) and k.removesuffix(BLOCKS) + SCALES in found]:
-        name = key.removesuffix(BLOCKS)
-        file, shape, _ = out.pop(key)
+    for name in packed_names(found):
+        file, shape, _ = out.pop(name + BLOCKS)
         out.pop(name + SCALES)
         out[name] = (file, logical_shape(shape), DEQUANTIZED)
     return out
@@ -63,13 +68,12 @@ class Mxfp4StorageReader(HuggingFaceStorageReader):
     def read_metadata(self):
         metadata = super().read_metadata()
         tensors, storage = metadata.state_dict_metadata, metadata.storage_data
-        for key in [k for k in tensors if k.endswith(BLOCKS) and k.removesuffix(BLOCKS) + SCALES in tensors]:
-            name = key.removesuffix(BLOCKS)
-            shape = logical_shape(tensors.pop(key).size)
+        for name in packed_names(tensors):
+            shape = logical_shape(tensors.pop(name + BLOCKS).size)
             tensors.pop(name + SCALES)
             tensors[name] = TensorStorageMetadata(properties=TensorProperties(dtype=DEQUANTIZED), size=shape,
                                                   chunks=[ChunkStorageMetadata(offsets=torch.Size([0, 0, 0]), sizes=shape)])
-            blocks = storage[next(i for i in storage if i.fqn == key)]
+            blocks = storage[next(i for i in storage if i.fqn == name + BLOCKS)]
             storage[MetadataIndex(fqn=name, offset=[0, 0, 0])] = dataclasses.replace(blocks, shape=shape,
                                                                                     dtype=DEQUANTIZED)
         return metadata
@@ -77,7 +81,7 @@ class Mxfp4StorageReader(HuggingFaceStorageReader):
     def read_data(self, plan, planner) -> Future[None]:
         from safetensors import safe_open
 
-        packed = {i.fqn.removesuffix(BLOCKS) for i in self.storage_data if i.fqn.endswith(BLOCKS)}
+        packed = set(packed_names(i.fqn for i in self.storage_data))
         quantized = [item for item in plan.items if item.storage_index.fqn in packed]
         rest = [item for item in plan.items if item.storage_index.fqn not in packed]
         if rest:

@@ -118,8 +118,10 @@ EXPERT_PROJECTIONS = frozenset({"gate_proj", "up_proj", "down_proj", "gate_up_pr
 @functools.cache
 def _with_lora(experts_class: type) -> type:
     """The class of ``experts_class`` modules carrying adapters (LoRAExperts' ``project`` first)."""
-    if experts_class is Experts or issubclass(experts_class, LoRAExperts):
-        return LoRAExperts if experts_class is Experts else experts_class
+    if issubclass(experts_class, LoRAExperts):  # adapters on a second projection of the same experts
+        return experts_class
+    if experts_class is Experts:
+        return LoRAExperts
     return type(f"LoRA{experts_class.__name__}", (LoRAExperts, experts_class), {})
 
 

@@ -111,7 +111,7 @@ class Router(nn.Module):
         self.top_k = cfg.num_experts_per_tok
         self.normalize = cfg.norm_topk_prob or family.topk_always_normalized
         self.bias = nn.Parameter(torch.empty(cfg.num_experts)) if family.router_bias else None
-        self.sigmoid, self.topk_softmax = family.router_scoring == "sigmoid", family.router_scoring == "topk_softmax"
+        self.scoring = family.router_scoring
         self.groups, self.top_groups, self.weight_scale = cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor
         # Aux-loss-free balancing: persistent (it is training state, and DeepSeek-V3's checkpoints
         # carry it as e_score_correction_bias), updated outside autograd.
@@ -122,24 +122,25 @@ class Router(nn.Module):
         """x [tokens, hidden] -> router probabilities [tokens, E] (fp32; what the balancing loss
         averages: the softmax, or the sigmoid scores normalised over the experts), top-k weights and
         indices."""
-        if self.sigmoid:
+        sigmoid = self.scoring == "sigmoid"
+        if sigmoid:
             scores = F.linear(x.float(), self.weight.float()).sigmoid()
             probs = scores / scores.sum(dim=-1, keepdim=True)
-        elif self.topk_softmax:  # the weights are the softmax of the chosen logits alone
+        elif self.scoring == "topk_softmax":  # the weights are the softmax of the chosen logits alone
             logits = F.linear(x, self.weight, self.bias)
             indices = torch.topk(logits.float() + self.expert_bias, self.top_k, dim=-1).indices
             weights = logits.gather(-1, indices).softmax(dim=-1)
             return logits.float().softmax(dim=-1), weights.to(x.dtype), indices
         else:
             scores = probs = F.linear(x, self.weight).float().softmax(dim=-1)
-        if self.sigmoid or self.expert_bias.any():
+        if sigmoid or self.expert_bias.any():
             indices = torch.topk(self.limit_to_groups(scores + self.expert_bias), self.top_k, dim=-1).indices
             weights = scores.gather(-1, indices)
         else:
             weights, indices = torch.topk(scores, self.top_k, dim=-1)
         if self.normalize:
             # the sigmoid's weights may all be tiny: transformers' epsilon keeps the sum off zero
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if self.sigmoid else 0.0))
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if sigmoid else 0.0))
         if self.weight_scale != 1.0:
             weights = weights * self.weight_scale
         return probs, weights.to(x.dtype), indices

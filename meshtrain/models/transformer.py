@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import Replicate
 
 from meshtrain.models.config import ModelConfig
 from meshtrain.models.rope import apply_rope, rope_tables
 from meshtrain.models.checkpointing import run_layer
 from meshtrain.models import documents
-from meshtrain.models.moe import MoE
+from meshtrain.models.moe import MoE, local as local_part
 
 if TYPE_CHECKING:
     from meshtrain.parallel.styles import TensorParallelStyles
@@ -96,9 +96,6 @@ class Sinks(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(heads))
 
-    def local(self) -> torch.Tensor:
-        return self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
-
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, *, bias: bool = False, qk_norm: type[RMSNorm] | None = None,
@@ -147,7 +144,7 @@ class Attention(nn.Module):
         if self.softcap is not None or self.sinks is not None:
             out = materialized_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
                                          self.scale or self.head_dim ** -0.5, self.softcap,
-                                         None if self.sinks is None else self.sinks.local())
+                                         None if self.sinks is None else local_part(self.sinks.weight))
         else:
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None,

@@ -173,7 +173,7 @@ def shape_from_model_config(m: ModelConfig, name: str) -> ModelShape:
                       num_heads=m.num_attention_heads, num_kv_heads=m.num_attention_heads if latent else m.num_key_value_heads,
                       head_dim=family.attention_dims(m)[0], materialized_attention=materialized,
                       latent_attention=latent, v_head_dim=family.attention_dims(m)[1], norms_per_layer=norms,
-                      intermediate_size=m.intermediate_size, tied=m.tie_word_embeddings, qk_norm=m.definition.qk_norm,
+                      intermediate_size=m.intermediate_size, tied=m.tie_word_embeddings, qk_norm=family.qk_norm,
                       max_position_embeddings=m.max_position_embeddings, model=m, **moe)
 
 
